@@ -1,0 +1,47 @@
+"""Command line: `python -m refimpl {train, verify, schedule, memory} ...`.
+
+Each command lives in its own module, which provides `add_arguments(parser)` and
+`run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
+line (`error: ...`) with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+COMMANDS = {
+    "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
+    "verify": ("refimpl.verify", "check a distributed run against single-process training"),
+    "schedule": ("refimpl.parallel.pipeline.command", "generate, validate, simulate and draw a pipeline schedule"),
+    "memory": ("refimpl.memory_command", "ZeRO memory per rank: the paper's estimator and the measured ledger"),
+}
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m refimpl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue  # a capability that has not landed yet
+        module = importlib.import_module(module_name)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
