@@ -1,0 +1,83 @@
+"""Function: one differentiable operation, its forward and its backward.
+
+A subclass implements
+
+    forward(self, *arrays, **options) -> array | tuple of arrays
+    backward(self, *grad_outputs, needs) -> tuple with one gradient (or None) per positional input
+
+`needs[i]` says whether the gradient of positional input i is wanted. The engine uses it to split a
+backward in two halves (see engine.py): the input-gradient pass asks only for the gradients of
+activations, the deferred weight-gradient pass only for those of Parameters. Each gradient must be
+computed by the same arithmetic whichever others are asked for, so that the two halves together
+equal a full backward bit for bit.
+
+Positional arguments that are Tensors are the differentiable inputs; other positional arguments
+(Python scalars, index arrays) are constants; keyword arguments are options.
+"""
+
+from __future__ import annotations
+
+from . import grad_mode
+from .saved import saved_tensors
+
+
+class Function:
+    """Base class of every operation recorded by the autograd engine."""
+
+    def __init__(self) -> None:
+        self.inputs: tuple = ()  # the positional arguments (Tensors and constants)
+        self.saved: tuple = ()  # what forward saved for backward
+        self.output_meta: list = []  # (shape, dtype) of each output
+        self.output_hooks: dict[int, list] = {}  # output index -> gradient hooks (Tensor.register_hook)
+        self._recording = False
+        self._param_ids: frozenset = frozenset()
+        self._counted: list = []
+
+    # --- called by subclasses -------------------------------------------------------------
+    def save_for_backward(self, *arrays) -> None:
+        """Keep `arrays` until backward; counted by the saved-tensor ledger unless parameters."""
+        if not self._recording:
+            return
+        self.saved = arrays
+        for array in arrays:
+            if array is not None and hasattr(array, "nbytes") and id(array) not in self._param_ids:
+                saved_tensors.add(array)
+                self._counted.append(array)
+
+    # --- called by the engine ---------------------------------------------------------------
+    def release(self) -> None:
+        """Drop the saved arrays (after backward has used them for the last time)."""
+        for array in self._counted:
+            saved_tensors.remove(array)
+        self._counted = []
+        self.saved = None
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @classmethod
+    def apply(cls, *args, **options):
+        """Run forward on the arrays of `args`; record the operation if a gradient is needed."""
+        from .tensor import Parameter, Tensor  # noqa: PLC0415 - tensor.py imports this module
+
+        fn = cls()
+        fn._recording = grad_mode.is_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        if fn._recording:
+            fn._param_ids = frozenset(id(a.data) for a in args if isinstance(a, Parameter))
+        arrays = [a.data if isinstance(a, Tensor) else a for a in args]
+        out = fn.forward(*arrays, **options)
+        outs = out if isinstance(out, tuple) else (out,)
+        if not fn._recording:
+            results = tuple(Tensor(o) for o in outs)
+        else:
+            fn.inputs = args
+            fn.output_meta = [(o.shape, o.dtype) for o in outs]
+            results = tuple(Tensor._from_op(o, fn, i) for i, o in enumerate(outs))
+        return results if isinstance(out, tuple) else results[0]
+
+    def forward(self, *arrays, **options):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def backward(self, *grad_outputs, needs):  # pragma: no cover - abstract
+        raise NotImplementedError
