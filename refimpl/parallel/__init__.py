@@ -1,0 +1,13 @@
+"""Parallelism: communication, data parallelism, ZeRO and pipeline schedules over MPI.
+
+    comm.py     the one wrapper over mpi4py (imported lazily): collectives, point-to-point,
+                non-blocking requests and per-rank byte/call counters; a local one-process
+                communicator with the same interface when there is no MPI
+    ring.py     textbook ring reduce-scatter / all-gather / all-reduce / broadcast on
+                point-to-point messages, selectable with collectives="ring"
+    mesh.py     ranks laid out as a dp x pp grid, with one sub-communicator per axis
+    failure.py  a failure on any rank aborts every rank with "[rank R] ErrorType: message"
+    threads.py  one BLAS/OpenMP thread budget per machine: max(1, cores // ranks on the node)
+
+Importing this package imports nothing from MPI; see comm.get_world().
+"""
