@@ -10,10 +10,11 @@
 
 from . import ops
 from .engine import WeightGradWork, backward, grad
+from .gradcheck import GradcheckError, gradcheck
 from .function import Function
 from .grad_mode import enable_grad, is_enabled as is_grad_enabled, no_grad
 from .saved import saved_tensors
 from .tensor import Parameter, Tensor
 
 __all__ = ["Tensor", "Parameter", "Function", "backward", "grad", "WeightGradWork", "no_grad", "enable_grad",
-           "is_grad_enabled", "saved_tensors", "ops"]
+           "is_grad_enabled", "saved_tensors", "ops", "gradcheck", "GradcheckError"]

@@ -209,7 +209,7 @@ def _normalize_axes(axis, ndim):
         return tuple(range(ndim))
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
     for a in axes:
-        if not -ndim <= a < max(ndim, 1):
+        if not -ndim <= a < ndim:
             raise ValueError(f"axis {a} is out of range for a tensor with {ndim} dimensions")
     return tuple(sorted(a % ndim for a in axes)) if ndim else ()
 

@@ -1,0 +1,254 @@
+"""Neural-network operations as fused autograd Functions.
+
+Each is one Function with a hand-written backward (faster and clearer than a chain of primitive
+ops), checked against finite differences by the tests. Legend: N rows (any leading dims), C
+features, V classes / vocabulary, (…) any leading dimensions.
+
+    linear(x, w, b)            y = x wᵀ + b              w: (out, in), as in PyTorch
+    embedding(w, idx)          y = w[idx]                backward scatters-adds into w's rows
+    layer_norm(x, w, b, eps)   y = (x − μ)/√(σ² + eps) · w + b  over the last axis
+    gelu(x, approximate)       x·Φ(x) ("none") or its tanh approximation ("tanh", GPT-2's)
+    softmax, log_softmax       stable: computed from x − max(x)
+    cross_entropy(logits, t)   mean (or sum) of −log softmax(logits)[t] over targets ≠ ignore_index
+    dropout(x, p, generator)   zero with probability p, scale the rest by 1/(1 − p)
+
+Every backward obeys the `needs` contract of Function (see autograd/function.py): the split
+backward asks for activation gradients (x) and weight gradients (w, b) separately.
+"""
+
+from __future__ import annotations
+
+import math
+
+from refimpl import backend
+from refimpl.autograd.function import Function
+from refimpl.autograd.tensor import Tensor
+
+
+def xp():
+    return backend.xp()
+
+
+def _leading_sum(a, ndim_kept: int):
+    """Sum `a` over all but its last `ndim_kept` axes."""
+    return a.reshape((-1,) + a.shape[a.ndim - ndim_kept:]).sum(axis=0)
+
+
+# --- linear and embedding ---------------------------------------------------------------------
+class Linear(Function):
+    def forward(self, x, w, b):
+        self.save_for_backward(x, w)
+        y = x @ w.T  # (…, in) @ (in, out) -> (…, out)
+        if b is not None:
+            y += b
+        return y
+
+    def backward(self, g, needs):
+        x, w = self.saved
+        dx = g @ w if needs[0] else None  # (…, out) @ (out, in) -> (…, in)
+        dw = g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if needs[1] else None  # (out, in)
+        db = _leading_sum(g, 1) if needs[2] else None  # (out,)
+        return dx, dw, db
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features (shape {x.shape}) "
+                         f"but the weight expects {w.shape[-1]} (weight shape {w.shape})")
+    return Linear.apply(x, w, b)
+
+
+class Embedding(Function):
+    def forward(self, w, idx):
+        self.idx, self.w_shape = idx, w.shape
+        return w[idx]  # (…) -> (…, C)
+
+    def backward(self, g, needs):
+        dw = xp().zeros(self.w_shape, g.dtype)
+        xp().add.at(dw, self.idx.reshape(-1), g.reshape(-1, g.shape[-1]))  # repeated tokens add up
+        return dw, None
+
+
+def embedding(w: Tensor, idx) -> Tensor:
+    idx = idx.data if isinstance(idx, Tensor) else xp().asarray(idx)
+    if idx.dtype.kind not in "iu":
+        raise ValueError(f"embedding: indices must be integers, got dtype {idx.dtype}")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= w.shape[0]):
+        raise ValueError(f"embedding: index out of range [0, {w.shape[0]}): min {int(idx.min())}, max {int(idx.max())}")
+    return Embedding.apply(w, idx)
+
+
+# --- normalisation ----------------------------------------------------------------------------
+class LayerNorm(Function):
+    def forward(self, x, w, b, eps):
+        mu = x.mean(axis=-1, keepdims=True)  # (…, 1)
+        centered = x - mu
+        var = (centered * centered).mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp().sqrt(var + eps)  # (…, 1)
+        xhat = centered * rstd  # (…, C)
+        self.save_for_backward(xhat, rstd, w)
+        return xhat * w + b
+
+    def backward(self, g, needs):
+        xhat, rstd, w = self.saved
+        dx = dw = db = None
+        if needs[0]:
+            gw = g * w  # (…, C)
+            dx = rstd * (gw - gw.mean(axis=-1, keepdims=True) - xhat * (gw * xhat).mean(axis=-1, keepdims=True))
+        if needs[1]:
+            dw = _leading_sum(g * xhat, 1)
+        if needs[2]:
+            db = _leading_sum(g, 1)
+        return dx, dw, db, None
+
+
+def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5) -> Tensor:
+    if w.shape != (x.shape[-1],) or b.shape != (x.shape[-1],):
+        raise ValueError(f"layer_norm: weight {w.shape} and bias {b.shape} must both be ({x.shape[-1]},) "
+                         f"for an input of shape {x.shape}")
+    return LayerNorm.apply(x, w, b, eps)
+
+
+# --- activations ------------------------------------------------------------------------------
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+def erf(x):
+    """The error function, elementwise (NumPy has none; math.erf per element is exact)."""
+    if backend.name() == "cupy":
+        from cupyx.scipy.special import erf as cupy_erf  # noqa: PLC0415
+
+        return cupy_erf(x)
+    return _np_erf(x).astype(x.dtype, copy=False)
+
+
+def _np_erf(x):
+    import numpy as np  # noqa: PLC0415
+
+    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
+
+
+class Gelu(Function):
+    def forward(self, x, approximate):
+        self.approximate = approximate
+        self.save_for_backward(x)
+        if approximate == "tanh":
+            return 0.5 * x * (1.0 + xp().tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)))
+        return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+
+    def backward(self, g, needs):
+        (x,) = self.saved
+        if self.approximate == "tanh":
+            x2 = x * x
+            t = xp().tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x2 * x))
+            slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x2))
+        else:
+            cdf = 0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+            pdf = xp().exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+            slope = cdf + x * pdf
+        return g * slope, None
+
+
+def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"gelu: approximate must be 'tanh' or 'none', got {approximate!r}")
+    return Gelu.apply(x, approximate)
+
+
+# --- softmax family ---------------------------------------------------------------------------
+class Softmax(Function):
+    def forward(self, x, axis):
+        self.axis = axis
+        e = xp().exp(x - x.max(axis=axis, keepdims=True))
+        y = e / e.sum(axis=axis, keepdims=True)
+        self.save_for_backward(y)
+        return y
+
+    def backward(self, g, needs):
+        (y,) = self.saved
+        return y * (g - (g * y).sum(axis=self.axis, keepdims=True)), None
+
+
+class LogSoftmax(Function):
+    def forward(self, x, axis):
+        self.axis = axis
+        shifted = x - x.max(axis=axis, keepdims=True)
+        y = shifted - xp().log(xp().exp(shifted).sum(axis=axis, keepdims=True))
+        self.save_for_backward(y)
+        return y
+
+    def backward(self, g, needs):
+        (y,) = self.saved
+        return g - xp().exp(y) * g.sum(axis=self.axis, keepdims=True), None
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return Softmax.apply(x, axis)
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return LogSoftmax.apply(x, axis)
+
+
+class CrossEntropy(Function):
+    def forward(self, logits, targets, ignore_index, reduction):
+        v = logits.shape[-1]
+        z = logits.reshape(-1, v)  # (N, V)
+        t = targets.reshape(-1)  # (N,)
+        valid = t != ignore_index  # (N,)
+        self.count = max(int(valid.sum()), 1) if reduction == "mean" else 1  # none counted: loss 0
+        shifted = z - z.max(axis=1, keepdims=True)
+        e = xp().exp(shifted)
+        sum_e = e.sum(axis=1, keepdims=True)
+        safe_t = xp().where(valid, t, 0)
+        rows = xp().arange(z.shape[0])
+        loss_per_row = xp().log(sum_e[:, 0]) - shifted[rows, safe_t]  # (N,)
+        probs = e / sum_e  # (N, V)
+        self.save_for_backward(probs)
+        self.safe_t, self.valid, self.shape = safe_t, valid, logits.shape
+        return xp().asarray((loss_per_row * valid).sum() / self.count, dtype=logits.dtype)
+
+    def backward(self, g, needs):
+        (probs,) = self.saved
+        d = probs.copy()
+        d[xp().arange(d.shape[0]), self.safe_t] -= 1
+        d *= (self.valid[:, None] * (g / self.count)).astype(d.dtype)
+        return d.reshape(self.shape), None, None, None
+
+
+def cross_entropy(logits: Tensor, targets, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """Cross-entropy over targets that are not ignore_index: their mean (0 if there are none) or sum."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    targets = targets.data if isinstance(targets, Tensor) else xp().asarray(targets)
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: targets of shape {targets.shape} do not match logits of shape "
+                         f"{logits.shape} (expected {logits.shape[:-1]})")
+    if targets.dtype.kind not in "iu":
+        raise ValueError(f"cross_entropy: targets must be integers, got dtype {targets.dtype}")
+    counted = targets[targets != ignore_index]
+    if counted.size and (int(counted.min()) < 0 or int(counted.max()) >= logits.shape[-1]):
+        raise ValueError(f"cross_entropy: target out of range [0, {logits.shape[-1]})")
+    return CrossEntropy.apply(logits, targets, ignore_index, reduction)
+
+
+# --- dropout ----------------------------------------------------------------------------------
+class Dropout(Function):
+    def forward(self, x, mask):
+        self.save_for_backward(mask)
+        return x * mask
+
+    def backward(self, g, needs):
+        return g * self.saved[0], None
+
+
+def dropout(x: Tensor, p: float, generator, training: bool = True) -> Tensor:
+    """Zero each element with probability p (drawn from `generator`) and scale the rest by 1/(1-p)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    keep = generator.random(x.shape) >= p
+    mask = keep.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - p))
+    return Dropout.apply(x, Tensor(mask))

@@ -1,0 +1,150 @@
+"""Layers: Linear, LayerNorm, Embedding, Dropout, MLP, causal self-attention, a pre-LN Block.
+
+Initialisation is seeded: each layer draws its weights from a NumPy Generator that the caller
+passes in, in a fixed order, so every process builds identical weights from the same seed.
+Legend: B batch, T sequence length, C model width, H heads, D = C / H head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from refimpl import backend
+from refimpl.autograd import ops
+from refimpl.autograd.tensor import Parameter, Tensor
+
+from . import functional as F
+from .module import Module, ModuleList
+
+
+def _param(values: np.ndarray, dtype) -> Parameter:
+    return Parameter(backend.asarray(values, dtype=dtype))
+
+
+class Linear(Module):
+    """y = x wᵀ + b with w of shape (out, in), initialised N(0, std²) (GPT-2 uses std 0.02)."""
+
+    def __init__(self, d_in: int, d_out: int, rng: np.random.Generator, bias: bool = True,
+                 std: float | None = None, dtype="float64") -> None:
+        super().__init__()
+        std = 1.0 / math.sqrt(d_in) if std is None else std
+        self.weight = _param(rng.standard_normal((d_out, d_in)) * std, dtype)
+        self.bias = _param(np.zeros(d_out), dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(Module):
+    def __init__(self, d: int, eps: float = 1e-5, dtype="float64") -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(np.ones(d), dtype)
+        self.bias = _param(np.zeros(d), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Embedding(Module):
+    def __init__(self, n: int, d: int, rng: np.random.Generator, std: float = 0.02, dtype="float64") -> None:
+        super().__init__()
+        self.weight = _param(rng.standard_normal((n, d)) * std, dtype)
+
+    def forward(self, idx) -> Tensor:
+        return F.embedding(self.weight, idx)
+
+
+class Dropout(Module):
+    """Dropout with its own seeded generator (the same seed gives the same masks)."""
+
+    def __init__(self, p: float, seed: int = 0) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.generator = np.random.default_rng(seed) if backend.name() == "numpy" else backend.xp().random.default_rng(seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.p, self.generator, self.training)
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": ops.relu, "tanh": ops.tanh}
+
+
+class MLP(Module):
+    """Linear layers of the given sizes with an activation between them (none after the last)."""
+
+    def __init__(self, sizes: list[int], rng: np.random.Generator, activation: str = "gelu",
+                 std: float | None = None, last_std: float | None = None, dtype="float64") -> None:
+        super().__init__()
+        if len(sizes) < 2 or min(sizes) <= 0:
+            raise ValueError(f"MLP needs at least two positive sizes, got {sizes}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+        self.activation = ACTIVATIONS[activation]
+        n = len(sizes) - 1
+        self.layers = ModuleList(
+            Linear(a, b, rng, std=last_std if (i == n - 1 and last_std is not None) else std, dtype=dtype)
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = self.activation(x)
+        return x
+
+
+class CausalSelfAttention(Module):
+    """Multi-head attention where position t attends to positions <= t.
+
+        q, k, v = split(x W_qkv)                       (B, T, C) each
+        att     = softmax(q kᵀ / √D + causal mask)     (B, H, T, T)
+        y       = (att v) W_proj                       (B, T, C)
+    """
+
+    def __init__(self, d_model: int, n_head: int, seq_len: int, rng: np.random.Generator,
+                 dropout: float = 0.0, proj_std: float = 0.02, dtype="float64", seed: int = 0) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"d_model {d_model} is not divisible by n_head {n_head}")
+        self.n_head = n_head
+        self.qkv = Linear(d_model, 3 * d_model, rng, std=0.02, dtype=dtype)
+        self.proj = Linear(d_model, d_model, rng, std=proj_std, dtype=dtype)
+        self.attn_dropout = Dropout(dropout, seed)
+        self.resid_dropout = Dropout(dropout, seed + 1)
+        self.mask = backend.asarray(np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1))  # True above the diagonal
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        H, D = self.n_head, C // self.n_head
+        q, k, v = self.qkv(x).split(3, axis=-1)  # (B, T, C) each
+        q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+        k = k.reshape(B, T, H, D).transpose(0, 2, 3, 1)  # (B, H, D, T)
+        v = v.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+        att = (q @ k) * (1.0 / math.sqrt(D))  # (B, H, T, T)
+        att = F.softmax(att.masked_fill(self.mask[:T, :T], -np.inf), axis=-1)
+        att = self.attn_dropout(att)
+        y = (att @ v).transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class Block(Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, d_model: int, n_head: int, seq_len: int, rng: np.random.Generator,
+                 dropout: float = 0.0, n_layer: int = 1, dtype="float64", seed: int = 0) -> None:
+        super().__init__()
+        proj_std = 0.02 / math.sqrt(2 * n_layer)  # GPT-2's scaled init of residual projections
+        self.ln1 = LayerNorm(d_model, dtype=dtype)
+        self.attn = CausalSelfAttention(d_model, n_head, seq_len, rng, dropout, proj_std, dtype, seed)
+        self.ln2 = LayerNorm(d_model, dtype=dtype)
+        self.mlp = MLP([d_model, 4 * d_model, d_model], rng, "gelu", std=0.02, last_std=proj_std, dtype=dtype)
+        self.dropout = Dropout(dropout, seed + 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.dropout(self.mlp(self.ln2(x)))

@@ -1,0 +1,102 @@
+"""Models: a GPT (decoder-only transformer, as in GPT-2) and an MLP classifier.
+
+GPT forward, for token ids idx of shape (B, T):
+
+    x = wte[idx] + wpe[0:T]                 (B, T, C)   embed()
+    x = block_n(... block_1(x))             (B, T, C)   blocks
+    logits = ln_f(x) W_headᵀ                (B, T, V)   head()
+
+The three parts are separate methods so that pipeline stages and checkpointing can cut the model
+between blocks. With tie_weights the head reuses the token embedding matrix (GPT-2); by default it
+has its own (a pipeline then needs no cross-stage sum of a shared weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from refimpl import backend
+from refimpl.autograd.tensor import Tensor
+
+from . import functional as F
+from .layers import MLP, Block, Dropout, Embedding, LayerNorm, Linear
+from .module import Module, ModuleList
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    dropout: float = 0.0
+    tie_weights: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPT {name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model {self.d_model} must be divisible by n_head {self.n_head}")
+        backend.check_dtype(self.dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class GPT(Module):
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        rng = np.random.default_rng(seed)
+        c, dt = config, config.dtype
+        self.wte = Embedding(c.vocab_size, c.d_model, rng, dtype=dt)
+        self.wpe = Embedding(c.seq_len, c.d_model, rng, dtype=dt)
+        self.drop = Dropout(c.dropout, seed=seed * 1000 + 1)
+        self.blocks = ModuleList(
+            Block(c.d_model, c.n_head, c.seq_len, rng, c.dropout, c.n_layer, dt, seed=seed * 1000 + 10 * (i + 1))
+            for i in range(c.n_layer))
+        self.ln_f = LayerNorm(c.d_model, dtype=dt)
+        if not c.tie_weights:
+            self.lm_head = Linear(c.d_model, c.vocab_size, rng, bias=False, std=0.02, dtype=dt)
+
+    def embed(self, idx) -> Tensor:
+        idx = idx.data if isinstance(idx, Tensor) else backend.asarray(idx)
+        T = idx.shape[-1]
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.config.seq_len}")
+        return self.drop(self.wte(idx) + self.wpe(backend.xp().arange(T)))  # (B, T, C)
+
+    def head(self, x: Tensor) -> Tensor:
+        x = self.ln_f(x)
+        weight = self.wte.weight if self.config.tie_weights else self.lm_head.weight
+        return F.linear(x, weight)  # (B, T, V)
+
+    def forward(self, idx) -> Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def loss(self, idx, targets, ignore_index: int = -100) -> Tensor:
+        return F.cross_entropy(self(idx), targets, ignore_index)
+
+
+class MLPClassifier(Module):
+    """An MLP that maps (B, d_in) features to (B, n_classes) logits (the spirals model)."""
+
+    def __init__(self, sizes: list[int], seed: int = 0, activation: str = "tanh", dtype: str = "float32") -> None:
+        super().__init__()
+        backend.check_dtype(dtype)
+        self.mlp = MLP(sizes, np.random.default_rng(seed), activation, dtype=dtype)
+
+    def forward(self, x) -> Tensor:
+        x = x if isinstance(x, Tensor) else Tensor(backend.asarray(x, dtype=self.mlp.layers[0].weight.dtype))
+        return self.mlp(x)
+
+    def loss(self, x, targets) -> Tensor:
+        return F.cross_entropy(self(x), targets)

@@ -1,0 +1,58 @@
+"""AdamW (Loshchilov & Hutter, arXiv 1711.05101): Adam with decoupled weight decay.
+
+For parameter θ, gradient g, step t (from 1):
+
+    m ← β₁ m + (1 − β₁) g              v ← β₂ v + (1 − β₂) g²
+    m̂ = m / (1 − β₁ᵗ)                  v̂ = v / (1 − β₂ᵗ)
+    θ ← θ − lr·λ·θ − lr · m̂ / (√v̂ + ε)
+
+`update` works on any arrays of equal shape — a whole parameter or a flat slice of many — so ZeRO
+steps only its shard of the master weights with the same code (optimizer state K = 2 arrays of
+θ's size: 8 bytes per float32 parameter). Weight decay applies uniformly to every element given.
+"""
+
+from __future__ import annotations
+
+from refimpl import backend
+
+
+class AdamW:
+    def __init__(self, params=(), lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
+        if lr <= 0 or eps <= 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"AdamW: bad hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.params = list(params)
+        self.state = [self.init_state(p.data) for p in self.params]
+
+    def init_state(self, param) -> dict:
+        xp = backend.xp()
+        return {"step": 0, "m": xp.zeros_like(param), "v": xp.zeros_like(param)}
+
+    def update(self, param, grad, state: dict) -> None:
+        """One AdamW step on arrays `param` (in place) given `grad`."""
+        b1, b2 = self.betas
+        state["step"] += 1
+        t = state["step"]
+        m, v = state["m"], state["v"]
+        m *= b1
+        m += (1 - b1) * grad
+        v *= b2
+        v += (1 - b2) * (grad * grad)
+        step_size = self.lr / (1 - b1 ** t)
+        denom = backend.xp().sqrt(v / (1 - b2 ** t))
+        denom += self.eps
+        if self.weight_decay:
+            param *= 1 - self.lr * self.weight_decay
+        param -= step_size * (m / denom)
+
+    def step(self) -> None:
+        for p, state in zip(self.params, self.state):
+            if p.grad is not None:
+                self.update(p.data, p.grad, state)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad[...] = 0

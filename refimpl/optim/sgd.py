@@ -1,0 +1,48 @@
+"""SGD with momentum (PyTorch's convention) and optional weight decay.
+
+    g ← g + λ θ                       (weight decay, coupled)
+    b ← μ b + g   (b = g at the first step)
+    θ ← θ − lr · b
+
+`update` works on any arrays of equal shape, a whole parameter or a flat shard of many (ZeRO).
+"""
+
+from __future__ import annotations
+
+from refimpl import backend
+
+
+class SGD:
+    def __init__(self, params=(), lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
+            raise ValueError(f"SGD: bad hyper-parameters lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.params = list(params)
+        self.state = [self.init_state(p.data) for p in self.params]
+
+    def init_state(self, param) -> dict:
+        return {"step": 0, "momentum": backend.xp().zeros_like(param) if self.momentum else None}
+
+    def update(self, param, grad, state: dict) -> None:
+        if self.weight_decay:
+            grad = grad + self.weight_decay * param
+        state["step"] += 1
+        if self.momentum:
+            buf = state["momentum"]
+            if state["step"] == 1:
+                buf[...] = grad
+            else:
+                buf *= self.momentum
+                buf += grad
+            grad = buf
+        param -= self.lr * grad
+
+    def step(self) -> None:
+        for p, state in zip(self.params, self.state):
+            if p.grad is not None:
+                self.update(p.data, p.grad, state)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad[...] = 0
