@@ -279,10 +279,8 @@ class MatMul(Function):
         a, b = self.saved
         a2 = a[None, :] if a.ndim == 1 else a  # (…, n, k)
         b2 = b[:, None] if b.ndim == 1 else b  # (…, k, m)
-        if a.ndim == 1:
-            g = g[..., None, :]
-        if b.ndim == 1:
-            g = g[..., None]
+        out_shape = xp().broadcast_shapes(a2.shape[:-2], b2.shape[:-2]) + (a2.shape[-2], b2.shape[-1])
+        g = g.reshape(out_shape)  # (…, n, m), undoing the 1-D promotions
         da = unbroadcast(g @ xp().swapaxes(b2, -1, -2), a2.shape).reshape(a.shape) if needs[0] else None
         db = unbroadcast(xp().swapaxes(a2, -1, -2) @ g, b2.shape).reshape(b.shape) if needs[1] else None
         return da, db
