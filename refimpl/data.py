@@ -42,7 +42,7 @@ class SortTask:
         sep = np.full((batch_size, 1), self.n_symbols)
         tokens = np.concatenate([a, sep, np.sort(a, axis=1)], axis=1)  # (B, 2L + 1)
         x, y = tokens[:, :-1], tokens[:, 1:].copy()  # (B, 2L) each
-        y[:, : self.length - 1] = IGNORE  # only the sorted half is predicted
+        y[:, : self.length] = IGNORE  # only the L sorted outputs are predicted (not the separator)
         return x, y
 
     def eval_batch(self, n: int = 256):

@@ -1,6 +1,5 @@
 """Backward in two halves: I (input gradients, weight work deferred) then W equals B, bit for bit."""
 
-
 import numpy as np
 import pytest
 

@@ -26,6 +26,7 @@ class Function:
 
     def __init__(self) -> None:
         self.inputs: tuple = ()  # the positional arguments (Tensors and constants)
+        self.needs_input_grad: tuple = ()  # which inputs require grad (forward may save less)
         self.saved: tuple = ()  # what forward saved for backward
         self.output_meta: list = []  # (shape, dtype) of each output
         self.output_hooks: dict[int, list] = {}  # output index -> gradient hooks (Tensor.register_hook)
@@ -62,7 +63,8 @@ class Function:
         from .tensor import Parameter, Tensor  # noqa: PLC0415 - tensor.py imports this module
 
         fn = cls()
-        fn._recording = grad_mode.is_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        fn.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        fn._recording = grad_mode.is_enabled() and any(fn.needs_input_grad)
         if fn._recording:
             fn._param_ids = frozenset(id(a.data) for a in args if isinstance(a, Parameter))
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]

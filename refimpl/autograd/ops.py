@@ -77,13 +77,15 @@ class Sub(Function):
 
 class Mul(Function):
     def forward(self, a, b):
-        self.save_for_backward(a, b)
+        self.shapes = (a.shape, b.shape)
+        need_a, need_b = self.needs_input_grad
+        self.save_for_backward(a if need_b else None, b if need_a else None)  # only what backward uses
         return a * b
 
     def backward(self, g, needs):
         a, b = self.saved
-        return (unbroadcast(g * b, a.shape) if needs[0] else None,
-                unbroadcast(g * a, b.shape) if needs[1] else None)
+        return (unbroadcast(g * b, self.shapes[0]) if needs[0] else None,
+                unbroadcast(g * a, self.shapes[1]) if needs[1] else None)
 
 
 class Div(Function):
