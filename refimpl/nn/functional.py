@@ -129,25 +129,50 @@ def _np_erf(x):
     return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
 
 
+def _tanh_inner(x):
+    """tanh(√(2/π)·x·(1 + 0.044715x²)) in a single new array."""
+    t = x * x
+    t *= _GELU_C
+    t += 1.0
+    t *= x
+    t *= _SQRT_2_OVER_PI
+    return xp().tanh(t, out=t)
+
+
 class Gelu(Function):
     def forward(self, x, approximate):
         self.approximate = approximate
         self.save_for_backward(x)
         if approximate == "tanh":
-            return 0.5 * x * (1.0 + xp().tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)))
+            y = _tanh_inner(x)  # tanh(√(2/π)(x + 0.044715x³)), computed in place (few temporaries)
+            y += 1.0
+            y *= x
+            y *= 0.5
+            return y
         return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
 
     def backward(self, g, needs):
         (x,) = self.saved
         if self.approximate == "tanh":
+            # slope = ½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²),  t = tanh(√(2/π)(x + 0.044715x³))
+            t = _tanh_inner(x)
+            slope = t * t
+            xp().subtract(1.0, slope, out=slope)
+            slope *= x
+            slope *= 0.5 * _SQRT_2_OVER_PI
             x2 = x * x
-            t = xp().tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x2 * x))
-            slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x2))
+            x2 *= 3.0 * _GELU_C
+            x2 += 1.0
+            slope *= x2
+            t += 1.0
+            t *= 0.5
+            slope += t
         else:
             cdf = 0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
             pdf = xp().exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
             slope = cdf + x * pdf
-        return g * slope, None
+        slope *= g
+        return slope, None
 
 
 def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
@@ -167,7 +192,9 @@ class Softmax(Function):
 
     def backward(self, g, needs):
         (y,) = self.saved
-        return y * (g - (g * y).sum(axis=self.axis, keepdims=True)), None
+        dx = g - (g * y).sum(axis=self.axis, keepdims=True)  # dx = y ⊙ (g − Σ g⊙y)
+        dx *= y
+        return dx, None
 
 
 class LogSoftmax(Function):
