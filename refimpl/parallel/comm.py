@@ -1,0 +1,724 @@
+"""The one wrapper over MPI: collectives, point-to-point messages, and what they cost.
+
+This is the only module of refimpl that imports mpi4py, and it does so only when a program runs
+under `mpiexec` (mpi4py's wheel cannot even be imported without an MPI library). Everything else
+receives a `Comm` object and calls its methods:
+
+    from refimpl.parallel.comm import get_world
+    world = get_world(collectives="mpi")     # or "ring": the textbook algorithms of ring.py
+    world.allreduce(grad)                     # in place, sum over ranks
+    shard = world.reduce_scatter(flat)        # (count_r,) this rank's block of the sum
+    world.allgather(shard, flat)              # every rank's block into flat (L,)
+    request = world.iallreduce(bucket)        # non-blocking; request.test() polls, .wait() blocks
+    world.counters.snapshot()                 # {"allreduce": {"calls": 1, "bytes": 4096}, ...}
+
+Two implementations share one interface (the `Comm` base class holds every public method, the
+argument checks and the counting; subclasses only move bytes):
+  * MPIComm wraps an mpi4py communicator (COMM_WORLD or a split of it) and uses mpi4py's
+    upper-case buffer API on contiguous arrays -- never pickled Python objects in a hot path;
+  * LocalComm is a world of one process: no mpiexec, no MPI library, the same methods; collectives
+    copy or do nothing, point-to-point messages to oneself go through a mailbox, and the
+    counters count calls with zero bytes.
+
+Buffers. Every array must be a C-contiguous numeric array of the active backend (refimpl.backend);
+collectives see it as flat, of L elements, whatever its shape. Lengths not divisible by N use
+*counts*, not padding (see ring.py): block b has L // N + (b < L % N) elements, the layout of
+numpy.array_split; blocks may be empty when L < N. reduce_scatter(sendbuf (L,)) returns this rank's
+block (count_r,); allgather(sendbuf (count_r,), recvbuf (L,)) fills recvbuf, or sendbuf=None when
+the block is already in place; with recvbuf=None the blocks are taken to be equal, L = N * count.
+
+Counters: the ground truth of every communication figure. Each Comm counts, per kind of call, the
+calls made and the bytes *sent* by this rank; a sub-communicator's counts are also added to its
+parent's, so the world's counters are the rank's totals. Rules (L elements of `itemsize` bytes,
+N ranks, count_b as above; see ring.py for the derivations):
+
+    kind             bytes sent by rank r                              = when N divides L
+    allreduce        (2L - count_r - count_{r+1}) * itemsize           2(N-1)/N * L * itemsize
+    reduce_scatter   (L - count_r) * itemsize                           (N-1)/N * L * itemsize
+    allgather        (L - count_{r+1}) * itemsize                       (N-1)/N * L * itemsize
+    bcast            L * itemsize, except 0 on rank (root - 1) mod N    (a chain along the ring)
+    send, sendrecv   the message's bytes (also isend)
+    recv, barrier    0 (a call only; also irecv, ibarrier)
+    *_object         the pickled bytes under the same rules (sizes exchanged first, 8 bytes each)
+
+With collectives="mpi", MPI's built-in collectives run and the counter records what the ring
+algorithm would send, by the formulas. With collectives="ring", ring.py runs and the bytes are
+counted one message at a time, at the send; tests check that both give the same numbers.
+Non-blocking calls are counted when they are posted (a ring step's bytes when that step is posted).
+
+Non-blocking calls and progress. iallreduce, ireduce_scatter, iallgather, ibcast, ibarrier,
+isend and irecv return a `Request`; `test()` makes progress and says whether it is complete,
+`wait()` blocks until it is and returns the result array. MPI advances an outstanding operation
+only while some MPI call runs in the process, so code that overlaps communication with computation
+(DDP buckets) must call `test()` now and then. A ring request advances one step per successful
+test. As in MPI, every rank must start collectives on a communicator in the same order, and a
+buffer must not be touched until its request completes.
+
+The world. `get_world()` returns the world communicator, created once: a LocalComm unless the
+process runs under mpiexec (PMI_RANK, PMI_SIZE, PMIX_RANK, OMPI_COMM_WORLD_SIZE,
+MPI_LOCALNRANKS or MV2_COMM_WORLD_SIZE in the environment; REFIMPL_MPI=1 forces MPI, 0 forbids
+it). Creating the MPI world also installs the failure handler (failure.py: an exception on any
+rank aborts the job with "[rank R] ErrorType: message") and, with more than one rank, the BLAS
+thread budget (threads.py). Launch: `mpiexec -n 4 python -m refimpl ...`.
+
+CuPy. Arrays reach MPI in exactly one place, `MPIComm._msg`; a device array is passed through
+(after synchronising the current stream), which needs a CUDA-aware MPI build.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import pickle
+import sys
+from collections import deque
+
+import numpy as np
+
+from refimpl import backend
+from refimpl.parallel import failure, ring, threads
+
+COLLECTIVES = ("mpi", "ring")
+OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+LAUNCHER_VARIABLES = (
+    "PMI_RANK",  # MPICH (hydra), Intel MPI
+    "PMI_SIZE",
+    "PMIX_RANK",  # Open MPI 5, Slurm with PMIx
+    "OMPI_COMM_WORLD_SIZE",  # Open MPI
+    "MPI_LOCALNRANKS",  # MPICH (hydra)
+    "MV2_COMM_WORLD_SIZE",  # MVAPICH
+)
+MAX_TAG = 32767  # the largest tag every MPI library must accept
+
+
+# ------------------------------------------------------------------------------------------------
+# Counters and requests
+# ------------------------------------------------------------------------------------------------
+
+
+class Counters:
+    """Calls made and bytes sent, by kind of call, for one communicator (and its parents)."""
+
+    def __init__(self, parent: "Counters | None" = None):
+        self.parent = parent
+        self._calls: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+
+    def record(self, kind: str, nbytes: int = 0, calls: int = 1) -> None:
+        counters = self
+        while counters is not None:  # a sub-communicator's traffic is also its parent's
+            counters._calls[kind] = counters._calls.get(kind, 0) + calls
+            counters._bytes[kind] = counters._bytes.get(kind, 0) + nbytes
+            counters = counters.parent
+
+    def calls(self, kind: str) -> int:
+        return self._calls.get(kind, 0)
+
+    def bytes(self, kind: str) -> int:
+        return self._bytes.get(kind, 0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+    def snapshot(self) -> dict:
+        """{kind: {"calls": int, "bytes": int}}, a copy (plain ints, JSON-ready)."""
+        return {k: {"calls": self._calls[k], "bytes": self._bytes[k]} for k in sorted(self._calls)}
+
+    def since(self, snapshot: dict) -> dict:
+        """What was counted after `snapshot` was taken, in the same form (kinds with no change left out)."""
+        delta = {}
+        for kind, now in self.snapshot().items():
+            before = snapshot.get(kind, {"calls": 0, "bytes": 0})
+            change = {key: now[key] - before[key] for key in ("calls", "bytes")}
+            if change["calls"] or change["bytes"]:
+                delta[kind] = change
+        return delta
+
+    def reset(self) -> None:
+        """Zero this communicator's counters (its parents keep theirs)."""
+        self._calls.clear()
+        self._bytes.clear()
+
+    def __repr__(self) -> str:
+        return f"Counters({self.snapshot()})"
+
+
+class Request:
+    """A non-blocking operation in flight.
+
+    It runs as a sequence of steps; each step is a list of low-level message handles of the
+    communicator (one step for an MPI built-in, N - 1 or 2(N - 1) steps for a ring collective).
+    """
+
+    def __init__(self, comm: "Comm", steps, result=None):
+        self._comm = comm
+        self._steps = iter(steps)
+        self._pending = None
+        self.done = False
+        self.result = result  # the array that holds the outcome once done
+        self._advance()  # post the first step now
+
+    def _advance(self) -> None:
+        try:
+            self._pending = next(self._steps)
+        except StopIteration:
+            self._pending, self.done = None, True
+
+    def test(self) -> bool:
+        """Make progress; True once the operation is complete."""
+        while not self.done and self._comm._test_all(self._pending):
+            self._advance()
+        return self.done
+
+    def wait(self):
+        """Block until complete; returns `result` (the output buffer, or None)."""
+        while not self.done:
+            self._comm._wait_all(self._pending)
+            self._advance()
+        return self.result
+
+
+def wait_all(requests) -> None:
+    """Wait for every request, in order."""
+    for request in requests:
+        request.wait()
+
+
+def test_all(requests) -> bool:
+    """Progress every request; True when all are complete."""
+    return all([request.test() for request in requests])  # a list: test each, no short-circuit
+
+
+class _RingLink:
+    """One ring collective's view of the communicator: neighbours, a tag, what to count under."""
+
+    def __init__(self, comm: "Comm", kind: str, tag: int):
+        self.comm, self.kind, self.tag = comm, kind, tag
+        self.rank, self.size = comm.rank, comm.size
+        self.right, self.left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+    def send(self, buf) -> list:
+        self.comm.counters.record(self.kind, buf.nbytes, calls=0)  # bytes counted at the send
+        return [self.comm._post_send(buf, self.right, self.tag, internal=True)]
+
+    def receive(self, buf) -> list:
+        return [self.comm._post_recv(buf, self.left, self.tag, internal=True)]
+
+    def exchange(self, send, recv) -> list:
+        """Send to the right and receive from the left, both at once (a Sendrecv)."""
+        return self.receive(recv) + self.send(send)
+
+    @staticmethod
+    def empty(n: int, dtype):
+        return backend.xp().empty(n, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# The interface
+# ------------------------------------------------------------------------------------------------
+
+
+def _reduce_op(op: str):
+    if op not in OPS:
+        raise ValueError(f"unknown reduction {op!r}; choose one of {', '.join(OPS)}")
+    return OPS[op]
+
+
+def _check_collectives(collectives: str) -> str:
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"unknown collectives {collectives!r}; choose one of {', '.join(COLLECTIVES)}")
+    return collectives
+
+
+class Comm:
+    """A communicator: `rank` in 0..`size`-1, collectives of kind `collectives`, and `counters`."""
+
+    def __init__(self, rank: int, size: int, collectives: str, counters: Counters):
+        self.rank, self.size = rank, size
+        self.collectives = _check_collectives(collectives)
+        self.counters = counters
+        self._tags = itertools.count()  # ring collectives number their messages (shared by copies)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size}, collectives={self.collectives!r})"
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _flat(self, array, name: str, writable: bool):
+        """The flat view (L,) of a contiguous numeric array, or one clear ValueError."""
+        xp = backend.xp()
+        if not isinstance(array, (np.ndarray, xp.ndarray)):
+            raise ValueError(f"{name} must be a {xp.__name__} array, not {type(array).__name__}")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (MPI sends raw memory); pass ascontiguousarray(...)")
+        if array.dtype.kind not in "fiu":
+            raise ValueError(f"{name} has dtype {array.dtype}; collectives need a float or integer dtype")
+        if writable and not getattr(array.flags, "writeable", True):
+            raise ValueError(f"{name} is read-only, but it receives data")
+        return array.reshape(-1)
+
+    def _check_rank(self, rank: int, name: str) -> None:
+        if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.size):
+            raise ValueError(f"{name}={rank!r} is not a rank of this communicator (size {self.size})")
+
+    @staticmethod
+    def _check_tag(tag: int) -> None:
+        if not (isinstance(tag, (int, np.integer)) and 0 <= tag <= MAX_TAG):
+            raise ValueError(f"tag={tag!r} must be an integer in 0..{MAX_TAG}")
+
+    @staticmethod
+    def _check_pair(send, recv, what: str) -> None:
+        if send.dtype != recv.dtype:
+            raise ValueError(f"{what}: sendbuf is {send.dtype} but recvbuf is {recv.dtype}")
+        may_share = getattr(backend.xp(), "may_share_memory", np.may_share_memory)
+        if send.size and recv.size and type(send) is type(recv) and may_share(send, recv):
+            raise ValueError(f"{what}: sendbuf and recvbuf overlap" + (
+                "; pass sendbuf=None for an in-place all-gather" if what == "allgather" else ""))
+
+    # -- how collectives run: MPI's built-in, or ring.py ------------------------------------------
+
+    def _builtin(self, kind: str, flat, start, blocking: bool, result, root: int = 0):
+        """Count a built-in collective by the ring formula, then start it."""
+        self.counters.record(kind, ring.bytes_sent(kind, flat.size, self.size, self.rank, flat.itemsize, root))
+        raw = start(blocking)
+        if blocking:
+            return None
+        return Request(self, [] if raw is None else [[raw]], result)
+
+    def _ring(self, kind: str, algorithm, args, blocking: bool, result):
+        """Run a ring algorithm; its bytes are counted message by message."""
+        self.counters.record(kind)  # the call; bytes follow at each send
+        steps = algorithm(_RingLink(self, kind, next(self._tags) % (MAX_TAG + 1)), *args)
+        if blocking:
+            ring.run(steps, self._wait_all)
+            return None
+        return Request(self, steps, result)
+
+    # -- collectives --------------------------------------------------------------------------------
+
+    def allreduce(self, buf, op: str = "sum"):
+        """Reduce buf over all ranks, in place; returns buf. Any shape, contiguous."""
+        self._allreduce(buf, op, blocking=True)
+        return buf
+
+    def iallreduce(self, buf, op: str = "sum") -> Request:
+        """Non-blocking allreduce; the request's result is buf."""
+        return self._allreduce(buf, op, blocking=False)
+
+    def _allreduce(self, buf, op, blocking):
+        flat = self._flat(buf, "buf", writable=True)
+        reduce = _reduce_op(op)
+        if self.collectives == "ring":
+            return self._ring("allreduce", ring.allreduce, (flat, reduce), blocking, buf)
+        return self._builtin("allreduce", flat, lambda b: self._mpi_allreduce(flat, op, b), blocking, buf)
+
+    def reduce_scatter(self, sendbuf, recvbuf=None, op: str = "sum"):
+        """recvbuf (count_r,) = this rank's block of sendbuf (L,) reduced over all ranks."""
+        return self._reduce_scatter(sendbuf, recvbuf, op, blocking=True)
+
+    def ireduce_scatter(self, sendbuf, recvbuf=None, op: str = "sum") -> Request:
+        """Non-blocking reduce_scatter; the request's result is recvbuf."""
+        return self._reduce_scatter(sendbuf, recvbuf, op, blocking=False)
+
+    def _reduce_scatter(self, sendbuf, recvbuf, op, blocking):
+        send = self._flat(sendbuf, "sendbuf", writable=False)
+        reduce = _reduce_op(op)
+        count = ring.block_count(send.size, self.size, self.rank)
+        if recvbuf is None:
+            recvbuf = backend.xp().empty(count, dtype=send.dtype)
+        recv = self._flat(recvbuf, "recvbuf", writable=True)
+        if recv.size != count:
+            raise ValueError(f"reduce_scatter: recvbuf has {recv.size} elements, but rank {self.rank}'s "
+                             f"block of {send.size} over {self.size} ranks has {count}")
+        self._check_pair(send, recv, "reduce_scatter")
+        if self.collectives == "ring":
+            request = self._ring("reduce_scatter", ring.reduce_scatter, (send, recv, reduce), blocking, recvbuf)
+        else:
+            request = self._builtin("reduce_scatter", send, lambda b: self._mpi_reduce_scatter(send, recv, op, b),
+                                    blocking, recvbuf)
+        return recvbuf if blocking else request
+
+    def allgather(self, sendbuf, recvbuf=None):
+        """Every rank's block into recvbuf (L,); sendbuf (count_r,) is ours, or None if already in place."""
+        return self._allgather(sendbuf, recvbuf, blocking=True)
+
+    def iallgather(self, sendbuf, recvbuf=None) -> Request:
+        """Non-blocking allgather; the request's result is recvbuf."""
+        return self._allgather(sendbuf, recvbuf, blocking=False)
+
+    def _allgather(self, sendbuf, recvbuf, blocking):
+        if recvbuf is None:
+            if sendbuf is None:
+                raise ValueError("allgather: give sendbuf, recvbuf or both")
+            send = self._flat(sendbuf, "sendbuf", writable=False)
+            recvbuf = backend.xp().empty(send.size * self.size, dtype=send.dtype)  # equal blocks
+        recv = self._flat(recvbuf, "recvbuf", writable=True)
+        count = ring.block_count(recv.size, self.size, self.rank)
+        send = None
+        if sendbuf is not None:
+            send = self._flat(sendbuf, "sendbuf", writable=False)
+            if send.size != count:
+                raise ValueError(f"allgather: sendbuf has {send.size} elements, but rank {self.rank}'s block "
+                                 f"of {recv.size} over {self.size} ranks has {count}")
+            self._check_pair(send, recv, "allgather")
+        if self.collectives == "ring":
+            if send is not None:
+                offset = ring.block_offset(recv.size, self.size, self.rank)
+                recv[offset : offset + count] = send  # our block in place, then the ring
+            request = self._ring("allgather", ring.allgather, (recv,), blocking, recvbuf)
+        else:
+            request = self._builtin("allgather", recv, lambda b: self._mpi_allgather(send, recv, b), blocking, recvbuf)
+        return recvbuf if blocking else request
+
+    def bcast(self, buf, root: int = 0):
+        """Copy root's buf to every rank, in place; returns buf."""
+        self._bcast(buf, root, blocking=True)
+        return buf
+
+    def ibcast(self, buf, root: int = 0) -> Request:
+        """Non-blocking bcast; the request's result is buf."""
+        return self._bcast(buf, root, blocking=False)
+
+    def _bcast(self, buf, root, blocking):
+        flat = self._flat(buf, "buf", writable=True)
+        self._check_rank(root, "root")
+        if self.collectives == "ring":
+            return self._ring("bcast", ring.bcast, (flat, root), blocking, buf)
+        return self._builtin("bcast", flat, lambda b: self._mpi_bcast(flat, root, b), blocking, buf, root)
+
+    def barrier(self) -> None:
+        """Wait until every rank has reached this call."""
+        self.counters.record("barrier")
+        self._mpi_barrier(True)
+
+    def ibarrier(self) -> Request:
+        self.counters.record("barrier")
+        raw = self._mpi_barrier(False)
+        return Request(self, [] if raw is None else [[raw]])
+
+    def allreduce_value(self, value: float, op: str = "sum") -> float:
+        """A Python number reduced over all ranks (a one-element float64 allreduce)."""
+        buf = backend.xp().asarray([value], dtype=np.float64)
+        self.allreduce(buf, op)
+        return float(buf[0])
+
+    # -- point to point -------------------------------------------------------------------------------
+
+    def send(self, buf, dest: int, tag: int = 0) -> None:
+        """Send buf to rank dest (blocking until buf may be reused)."""
+        flat = self._p2p(buf, dest, tag, "dest", writable=False)
+        self.counters.record("send", flat.nbytes)
+        self._wait_all([self._post_send(flat, dest, tag)])
+
+    def recv(self, buf, source: int, tag: int = 0):
+        """Receive into buf from rank source; returns buf."""
+        flat = self._p2p(buf, source, tag, "source", writable=True)
+        self.counters.record("recv")
+        self._wait_all([self._post_recv(flat, source, tag)])
+        return buf
+
+    def isend(self, buf, dest: int, tag: int = 0) -> Request:
+        flat = self._p2p(buf, dest, tag, "dest", writable=False)
+        self.counters.record("send", flat.nbytes)
+        return Request(self, [[self._post_send(flat, dest, tag)]], buf)
+
+    def irecv(self, buf, source: int, tag: int = 0) -> Request:
+        flat = self._p2p(buf, source, tag, "source", writable=True)
+        self.counters.record("recv")
+        return Request(self, [[self._post_recv(flat, source, tag)]], buf)
+
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int | None = None):
+        """Send to dest and receive from source at once (no deadlock in a shift); returns recvbuf."""
+        send = self._p2p(sendbuf, dest, sendtag, "dest", writable=False)
+        recvtag = sendtag if recvtag is None else recvtag
+        recv = self._p2p(recvbuf, source, recvtag, "source", writable=True)
+        self.counters.record("sendrecv", send.nbytes)
+        self._wait_all([self._post_recv(recv, source, recvtag), self._post_send(send, dest, sendtag)])
+        return recvbuf
+
+    def _p2p(self, buf, peer, tag, name, writable):
+        flat = self._flat(buf, "buf", writable)
+        self._check_rank(peer, name)
+        self._check_tag(tag)
+        return flat
+
+    # -- small Python objects (never in a hot path) -----------------------------------------------
+
+    def allgather_object(self, obj) -> list:
+        """Every rank's picklable obj, as a list indexed by rank."""
+        return [pickle.loads(p) for p in self._allgather_bytes(pickle.dumps(obj))]
+
+    def bcast_object(self, obj, root: int = 0):
+        """Root's picklable obj, on every rank."""
+        self._check_rank(root, "root")
+        return pickle.loads(self._bcast_bytes(pickle.dumps(obj) if self.rank == root else b"", root))
+
+    def counters_by_rank(self) -> list[dict]:
+        """Every rank's counter snapshot (taken before this exchange), as a list indexed by rank."""
+        return self.allgather_object(self.counters.snapshot())
+
+    # -- structure --------------------------------------------------------------------------------
+
+    def with_collectives(self, collectives: str) -> "Comm":
+        """The same communicator and counters, running collectives of another kind."""
+        other = copy.copy(self)
+        other.collectives = _check_collectives(collectives)
+        return other
+
+    @property
+    def thread_budget(self):
+        """The BLAS thread decision of this process (threads.ThreadBudget), or None."""
+        return threads.current()
+
+    # -- what a subclass provides ------------------------------------------------------------------
+    # _mpi_allreduce / _mpi_reduce_scatter / _mpi_allgather / _mpi_bcast / _mpi_barrier(blocking):
+    #     run MPI's built-in; return None when blocking, else one low-level handle (or None: done)
+    # _post_send / _post_recv(flat, peer, tag, internal=False): start a message, return a handle
+    # _test_all(handles) -> bool, _wait_all(handles)
+    # _allgather_bytes(payload) -> list[bytes], _bcast_bytes(payload, root) -> bytes
+    # split(color, key=None) -> Comm | None, abort(code, message), world_rank, node_size()
+
+
+# ------------------------------------------------------------------------------------------------
+# MPI
+# ------------------------------------------------------------------------------------------------
+
+
+class MPIComm(Comm):
+    """A Comm over an mpi4py communicator."""
+
+    def __init__(self, mpi_comm, MPI, collectives: str = "mpi", counters: Counters | None = None):
+        super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size(), collectives, counters or Counters())
+        self._MPI = MPI
+        self._comm = mpi_comm
+        self._ring_comm = mpi_comm.Dup()  # ring messages never match the user's point-to-point
+        self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        self.world_rank = MPI.COMM_WORLD.Get_rank()
+
+    def _msg(self, array):
+        """The one place where arrays are handed to MPI."""
+        if not isinstance(array, np.ndarray):  # a device array: MPI reads it once the GPU is done
+            backend.xp().cuda.get_current_stream().synchronize()
+        return array
+
+    def _vector(self, flat):
+        """[flat, (counts, displacements)]: flat cut into this communicator's blocks."""
+        counts = ring.block_counts(flat.size, self.size)
+        return [self._msg(flat), (counts.tolist(), ring.block_offsets(counts).tolist())]
+
+    def _mpi_allreduce(self, flat, op, blocking):
+        call = self._comm.Allreduce if blocking else self._comm.Iallreduce
+        return call(self._MPI.IN_PLACE, self._msg(flat), self._ops[op])
+
+    def _mpi_reduce_scatter(self, send, recv, op, blocking):
+        if send.size % self.size == 0:  # equal blocks
+            call = self._comm.Reduce_scatter_block if blocking else self._comm.Ireduce_scatter_block
+            return call(self._msg(send), self._msg(recv), self._ops[op])
+        call = self._comm.Reduce_scatter if blocking else self._comm.Ireduce_scatter
+        counts = ring.block_counts(send.size, self.size).tolist()
+        return call(self._msg(send), self._msg(recv), counts, self._ops[op])
+
+    def _mpi_allgather(self, send, recv, blocking):
+        source = self._MPI.IN_PLACE if send is None else self._msg(send)
+        if recv.size % self.size == 0:
+            call = self._comm.Allgather if blocking else self._comm.Iallgather
+            return call(source, self._msg(recv))
+        call = self._comm.Allgatherv if blocking else self._comm.Iallgatherv
+        return call(source, self._vector(recv))
+
+    def _mpi_bcast(self, flat, root, blocking):
+        return (self._comm.Bcast if blocking else self._comm.Ibcast)(self._msg(flat), root)
+
+    def _mpi_barrier(self, blocking):
+        return self._comm.Barrier() if blocking else self._comm.Ibarrier()
+
+    def _post_send(self, flat, dest, tag, internal=False):
+        return (self._ring_comm if internal else self._comm).Isend(self._msg(flat), dest, tag)
+
+    def _post_recv(self, flat, source, tag, internal=False):
+        return (self._ring_comm if internal else self._comm).Irecv(self._msg(flat), source, tag)
+
+    def _test_all(self, handles) -> bool:
+        return self._MPI.Request.Testall(handles)
+
+    def _wait_all(self, handles) -> None:
+        self._MPI.Request.Waitall(handles)
+
+    def _allgather_bytes(self, payload: bytes) -> list[bytes]:
+        data = np.frombuffer(payload, dtype=np.uint8)
+        sizes = np.empty(self.size, dtype=np.int64)  # (N,) every rank's payload length
+        self._comm.Allgather(np.array([data.size], dtype=np.int64), sizes)
+        offsets = np.zeros(self.size, dtype=np.int64)  # (N,) where each payload starts
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self._comm.Allgatherv(data, [gathered, (sizes.tolist(), offsets.tolist())])
+        # The ring rule: every block but the right neighbour's, payload and its 8-byte size.
+        right = (self.rank + 1) % self.size
+        self.counters.record("allgather_object", int(sizes.sum() - sizes[right]) + 8 * (self.size - 1))
+        return [gathered[o : o + s].tobytes() for o, s in zip(offsets.tolist(), sizes.tolist())]
+
+    def _bcast_bytes(self, payload: bytes, root: int) -> bytes:
+        size = np.array([len(payload)], dtype=np.int64)
+        self._comm.Bcast(size, root)
+        data = np.frombuffer(payload, dtype=np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        self._comm.Bcast(data, root)
+        self.counters.record("bcast_object", 0 if self.rank == (root - 1) % self.size else 8 + data.size)
+        return data.tobytes()
+
+    def split(self, color: int | None, key: int | None = None) -> "MPIComm | None":
+        """Sub-communicators of the ranks with equal color, ordered by key (default: this rank).
+
+        Collective: every rank calls it; a rank with color None gets None. Counters add up into ours.
+        """
+        if color is not None and not (isinstance(color, (int, np.integer)) and color >= 0):
+            raise ValueError(f"split: color must be a non-negative integer or None, not {color!r}")
+        sub = self._comm.Split(self._MPI.UNDEFINED if color is None else int(color),
+                               self.rank if key is None else int(key))
+        if sub == self._MPI.COMM_NULL:
+            return None
+        return MPIComm(sub, self._MPI, self.collectives, Counters(parent=self.counters))
+
+    def node_size(self) -> int:
+        """Ranks of this communicator on this node (an MPI_COMM_TYPE_SHARED split)."""
+        node = self._comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        size = node.Get_size()
+        node.Free()
+        return size
+
+    def abort(self, code: int = 1, message: str | None = None):
+        """End every rank of the job now, with exit status `code`; print `[rank R] message` first."""
+        if message:
+            sys.stderr.write(f"[rank {self.world_rank}] {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        self._MPI.COMM_WORLD.Abort(code)
+
+
+# ------------------------------------------------------------------------------------------------
+# One process, no MPI
+# ------------------------------------------------------------------------------------------------
+
+
+class _LocalReceive:
+    """A receive from oneself: complete once a matching message is in the mailbox."""
+
+    def __init__(self, mailbox: deque, flat):
+        self.mailbox, self.flat, self.done = mailbox, flat, False
+
+    def test(self) -> bool:
+        if not self.done and self.mailbox:
+            message = self.mailbox.popleft()
+            if message.size != self.flat.size:
+                raise ValueError(f"recv: buffer has {self.flat.size} elements, the message has {message.size}")
+            self.flat[...] = message
+            self.done = True
+        return self.done
+
+
+class LocalComm(Comm):
+    """A world of one process: the Comm interface with no MPI library and zero traffic."""
+
+    def __init__(self, collectives: str = "mpi", counters: Counters | None = None):
+        super().__init__(0, 1, collectives, counters or Counters())
+        self._mailboxes: dict[tuple[bool, int], deque] = {}  # (internal, tag) -> messages to self
+        self.world_rank = 0
+
+    def _mpi_allreduce(self, flat, op, blocking):
+        return None  # the sum over one rank is the buffer itself
+
+    def _mpi_reduce_scatter(self, send, recv, op, blocking):
+        recv[...] = send
+
+    def _mpi_allgather(self, send, recv, blocking):
+        if send is not None:
+            recv[...] = send
+
+    def _mpi_bcast(self, flat, root, blocking):
+        return None
+
+    def _mpi_barrier(self, blocking):
+        return None
+
+    def _mailbox(self, internal, tag) -> deque:
+        return self._mailboxes.setdefault((internal, tag), deque())
+
+    def _post_send(self, flat, dest, tag, internal=False):
+        self._mailbox(internal, tag).append(flat.copy())
+        return None  # buffered: complete at once
+
+    def _post_recv(self, flat, source, tag, internal=False):
+        return _LocalReceive(self._mailbox(internal, tag), flat)
+
+    def _test_all(self, handles) -> bool:
+        return all([h is None or h.test() for h in handles])
+
+    def _wait_all(self, handles) -> None:
+        if not self._test_all(handles):
+            raise RuntimeError("deadlock: a one-process world waits for a message to itself that was never sent")
+
+    def _allgather_bytes(self, payload: bytes) -> list[bytes]:
+        self.counters.record("allgather_object")
+        return [payload]
+
+    def _bcast_bytes(self, payload: bytes, root: int) -> bytes:
+        self.counters.record("bcast_object")
+        return payload
+
+    def split(self, color: int | None, key: int | None = None) -> "LocalComm | None":
+        if color is not None and not (isinstance(color, (int, np.integer)) and color >= 0):
+            raise ValueError(f"split: color must be a non-negative integer or None, not {color!r}")
+        return None if color is None else LocalComm(self.collectives, Counters(parent=self.counters))
+
+    def node_size(self) -> int:
+        return 1
+
+    def abort(self, code: int = 1, message: str | None = None):
+        if message:
+            sys.stderr.write(f"[rank 0] {message}\n")
+        raise SystemExit(code)
+
+
+# ------------------------------------------------------------------------------------------------
+# The world
+# ------------------------------------------------------------------------------------------------
+
+_world: Comm | None = None  # the one global: created lazily, on the first get_world()
+
+
+def under_mpiexec(environ=os.environ) -> bool:
+    """Whether this process was started by an MPI launcher (REFIMPL_MPI=1/0 overrides)."""
+    forced = environ.get("REFIMPL_MPI", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return any(name in environ for name in LAUNCHER_VARIABLES)
+
+
+def get_world(collectives: str = "mpi") -> Comm:
+    """The world communicator (created on the first call), running `collectives` ("mpi" or "ring")."""
+    global _world
+    _check_collectives(collectives)
+    if _world is None:
+        _world = _create_mpi_world() if under_mpiexec() else LocalComm()
+    return _world if _world.collectives == collectives else _world.with_collectives(collectives)
+
+
+def existing_world() -> Comm | None:
+    """The world communicator if one was created, else None (never creates one, never imports MPI)."""
+    return _world
+
+
+def _create_mpi_world() -> MPIComm:
+    os.environ.setdefault("MPIR_CVAR_SUPPRESS_ABORT_MESSAGE", "1")  # we print our own line (failure.py)
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 - the only import of mpi4py in refimpl
+    except Exception as exc:  # ImportError, or RuntimeError when no MPI library can be loaded
+        found = [name for name in LAUNCHER_VARIABLES if name in os.environ] or ["REFIMPL_MPI=1"]
+        raise RuntimeError(f"running under mpiexec ({found[0]} is set) but mpi4py cannot start MPI: {exc}; "
+                           "install an MPI library, e.g. pip install mpich") from exc
+    failure.install(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Abort)
+    world = MPIComm(MPI.COMM_WORLD, MPI)
+    if world.size > 1:
+        threads.apply(world.node_size())
+    return world

@@ -1,0 +1,92 @@
+"""A failure on any rank ends every rank, with a message that names the rank and the error.
+
+Why this is needed. When one rank of an MPI job raises and the others are waiting in a collective
+(or a receive), the others wait forever: Python's normal exit runs MPI_Finalize, which does not
+tell the other ranks anything. The cure is MPI_Abort, which asks the process manager (hydra, for
+MPICH's `mpiexec`) to kill every rank of the job; `mpiexec` then exits with the abort code.
+
+What `install` does, once, when the MPI world communicator is created (comm.get_world):
+  * sys.excepthook and threading.excepthook print, to stderr,
+        [rank R] ErrorType: message
+    preceded by the traceback with every line prefixed "[rank R] " -- except for bad input
+    (ValueError and its subclasses, such as the CLI's UsageError), which prints that one line
+    only -- and then call MPI_Abort with exit code 2 for bad input, 130 for Ctrl-C, 1 otherwise.
+  * MPICH's own "Abort(...) on node ..." line is suppressed (MPIR_CVAR_SUPPRESS_ABORT_MESSAGE,
+    unless the user set it), so each failing rank prints exactly its own message.
+
+Launch line that guarantees it (MPICH wheel, hydra process manager; no flag is needed, and
+oversubscription -- more ranks than cores -- works as is):
+    mpiexec -n 4 python -m refimpl train ...
+Every rank that raises reports itself; the first one aborts the job within a fraction of a second.
+
+Limits. An exception is reported only if nothing catches it. A rank that *exits* (sys.exit, or
+returning an error code from main) while the others wait in a collective is not an exception:
+call `comm.abort(code, message)` instead (or `existing_world()` from the CLI's error branch).
+A rank killed by a signal is cleaned up by hydra itself ("BAD TERMINATION ...").
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Callable
+
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+EXIT_ERROR = 1
+
+_installed_rank: int | None = None
+
+
+def format_error(rank: int, exc: BaseException) -> str:
+    """The one line that names the rank and the error: `[rank R] ErrorType: message`."""
+    message = str(exc).strip().replace("\n", " ")
+    return f"[rank {rank}] {type(exc).__name__}: {message}" if message else f"[rank {rank}] {type(exc).__name__}"
+
+
+def exit_code(exc: BaseException) -> int:
+    """The job's exit status for an uncaught exception."""
+    if isinstance(exc, BAD_INPUT_ERRORS):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_ERROR
+
+
+def report(rank: int, exc: BaseException, tb=None) -> str:
+    """The text written to stderr for an uncaught exception on `rank`."""
+    lines = []
+    if not isinstance(exc, BAD_INPUT_ERRORS + (KeyboardInterrupt,)):
+        for chunk in traceback.format_exception(type(exc), exc, tb):
+            lines.extend(f"[rank {rank}] {line}" for line in chunk.rstrip("\n").split("\n"))
+    lines.append(format_error(rank, exc))
+    return "\n".join(lines) + "\n"
+
+
+def install(rank: int, abort: Callable[[int], None]) -> None:
+    """Report uncaught exceptions (main and other threads) as `[rank R] ...`, then `abort(code)`."""
+    global _installed_rank
+
+    def hook(exc_type, exc, tb):
+        try:
+            sys.stderr.write(report(rank, exc, tb))
+            sys.stderr.flush()
+        finally:
+            abort(exit_code(exc))
+
+    def thread_hook(args):
+        if args.exc_type is SystemExit:
+            return
+        hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+    _installed_rank = rank
+
+
+def installed() -> bool:
+    """Whether this process aborts the MPI job on an uncaught exception."""
+    return _installed_rank is not None
