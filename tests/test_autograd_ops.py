@@ -229,3 +229,12 @@ def test_shape_mismatch_names_op_and_shapes():
         F.linear(a, tensor((5, 4), 3))
     with pytest.raises(ValueError, match="reshape: cannot reshape"):
         a.reshape(5)
+
+
+def test_causal_softmax_equals_its_composition():
+    x = tensor((2, 3, 4, 4), 23)
+    mask = np.triu(np.ones((4, 4), bool), 1)
+    fused = F.causal_softmax(x, mask, 0.5)
+    composed = F.softmax((x * 0.5).masked_fill(mask, -np.inf))
+    np.testing.assert_allclose(fused.data, composed.data, rtol=1e-14, atol=0)
+    assert gradcheck(lambda z: F.causal_softmax(z, mask, 0.5), [x])

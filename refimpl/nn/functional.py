@@ -9,6 +9,7 @@ features, V classes / vocabulary, (…) any leading dimensions.
     layer_norm(x, w, b, eps)   y = (x − μ)/√(σ² + eps) · w + b  over the last axis
     gelu(x, approximate)       x·Φ(x) ("none") or its tanh approximation ("tanh", GPT-2's)
     softmax, log_softmax       stable: computed from x − max(x)
+    causal_softmax(x, m, s)    softmax(s·x) with −∞ where the mask m is True (attention scores)
     cross_entropy(logits, t)   mean (or sum) of −log softmax(logits)[t] over targets ≠ ignore_index
     dropout(x, p, generator)   zero with probability p, scale the rest by 1/(1 − p)
 
@@ -81,20 +82,24 @@ def embedding(w: Tensor, idx) -> Tensor:
 # --- normalisation ----------------------------------------------------------------------------
 class LayerNorm(Function):
     def forward(self, x, w, b, eps):
-        mu = x.mean(axis=-1, keepdims=True)  # (…, 1)
-        centered = x - mu
-        var = (centered * centered).mean(axis=-1, keepdims=True)
+        xhat = x - x.mean(axis=-1, keepdims=True)  # (…, C), centred
+        var = (xhat * xhat).mean(axis=-1, keepdims=True)  # (…, 1)
         rstd = 1.0 / xp().sqrt(var + eps)  # (…, 1)
-        xhat = centered * rstd  # (…, C)
+        xhat *= rstd  # normalised in place
         self.save_for_backward(xhat, rstd, w)
-        return xhat * w + b
+        y = xhat * w
+        y += b
+        return y
 
     def backward(self, g, needs):
         xhat, rstd, w = self.saved
         dx = dw = db = None
         if needs[0]:
+            # dx = rstd · (gw − mean(gw) − x̂ · mean(gw ⊙ x̂)),  gw = g ⊙ w
             gw = g * w  # (…, C)
-            dx = rstd * (gw - gw.mean(axis=-1, keepdims=True) - xhat * (gw * xhat).mean(axis=-1, keepdims=True))
+            dx = gw - gw.mean(axis=-1, keepdims=True)
+            dx -= xhat * (gw * xhat).mean(axis=-1, keepdims=True)
+            dx *= rstd
         if needs[1]:
             dw = _leading_sum(g * xhat, 1)
         if needs[2]:
@@ -185,8 +190,9 @@ def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
 class Softmax(Function):
     def forward(self, x, axis):
         self.axis = axis
-        e = xp().exp(x - x.max(axis=axis, keepdims=True))
-        y = e / e.sum(axis=axis, keepdims=True)
+        y = x - x.max(axis=axis, keepdims=True)
+        xp().exp(y, out=y)
+        y /= y.sum(axis=axis, keepdims=True)
         self.save_for_backward(y)
         return y
 
@@ -208,6 +214,37 @@ class LogSoftmax(Function):
     def backward(self, g, needs):
         (y,) = self.saved
         return g - xp().exp(y) * g.sum(axis=self.axis, keepdims=True), None
+
+
+class CausalSoftmax(Function):
+    """softmax(scale · x) over the last axis, with positions where mask is True set to −∞ first.
+
+    The attention scores' scale, causal mask and softmax as one operation (fewer temporaries).
+    Backward: dx = scale · y ⊙ (g − Σ g ⊙ y); masked positions have y = 0, so no gradient.
+    """
+
+    def forward(self, x, mask, scale):
+        self.scale = scale
+        y = x * x.dtype.type(scale)  # (…, T, T)
+        xp().copyto(y, x.dtype.type(-xp().inf), where=mask)
+        y -= y.max(axis=-1, keepdims=True)
+        xp().exp(y, out=y)
+        y /= y.sum(axis=-1, keepdims=True)
+        self.save_for_backward(y)
+        return y
+
+    def backward(self, g, needs):
+        (y,) = self.saved
+        dx = g - (g * y).sum(axis=-1, keepdims=True)
+        dx *= y
+        dx *= dx.dtype.type(self.scale)
+        return dx, None, None
+
+
+def causal_softmax(x: Tensor, mask, scale: float) -> Tensor:
+    """softmax(scale · x, masked with −∞ where mask) over the last axis; mask broadcasts against x."""
+    mask = mask.data if isinstance(mask, Tensor) else xp().asarray(mask, dtype=bool)
+    return CausalSoftmax.apply(x, mask, scale)
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
