@@ -1,0 +1,197 @@
+"""Pictures of a simulated schedule: a text grid, an SVG, a PNG (if matplotlib is installed) and
+a Chrome trace that Perfetto (ui.perfetto.dev) or chrome://tracing opens.
+
+Every picture has one row per rank and time running left to right, like the figures of the
+Megatron-LM, zero-bubble and DualPipe papers. A cell shows the action's kind and micro-batch:
+
+    F3   forward of micro-batch 3         B3  full backward
+    I3   input-gradient half              W3  weight-gradient half
+    f3, b3, i3, w3   the same on a rank's second stage: chunk 1 of a V (ZB-V, DualPipeV) or
+                     direction 1 of DualPipe
+    F3.2             interleaved 1F1B: chunk 2 of the rank
+    F5&b1            an overlapped F&B step
+    .                idle
+
+Only `render_png` needs matplotlib, and it is imported inside that function; nothing else in
+refimpl depends on it.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from .actions import Action, Schedule, Step
+from .simulate import Timeline
+
+
+def action_label(schedule: Schedule, action: Action) -> str:
+    """Short label: kind and micro-batch, marked for a rank's second (or c-th) stage."""
+    placement = schedule.placement
+    rank = placement.rank_of(action.stage, action.direction)
+    own = placement.stages_of(rank)
+    label = f"{action.kind}{action.mb}"
+    if action.direction is not None:  # DualPipe: the direction tells the two copies apart
+        return label.lower() if action.direction == 1 else label
+    if len(own) == 2 and schedule.chunks == 2:
+        return label.lower() if action.stage == own[1] else label
+    if len(own) > 1:
+        return f"{label}.{own.index(action.stage)}"
+    return label
+
+
+def step_label(schedule: Schedule, step: Step) -> str:
+    return "&".join(action_label(schedule, a) for a in step.parts)
+
+
+def _quantum(timeline: Timeline) -> Fraction:
+    """The largest time unit that divides every start and end: one grid column."""
+    values = [t for iv in timeline.intervals for s, e, _ in iv for t in (s, e) if t]
+    if not values:
+        return Fraction(1)
+    denominator = math.lcm(*(v.denominator for v in values))
+    numerator = math.gcd(*(v.numerator * (denominator // v.denominator) for v in values))
+    return Fraction(numerator, denominator)
+
+
+def render_text(timeline: Timeline, max_columns: int = 160) -> str:
+    """An ASCII grid, one row per rank; one column per time quantum (coarsened past
+    `max_columns`, in which case short steps may hide behind their neighbours)."""
+    schedule = timeline.schedule
+    quantum = _quantum(timeline)
+    columns = int(timeline.makespan / quantum) if timeline.makespan else 0
+    if columns > max_columns:
+        quantum = timeline.makespan / max_columns
+        columns = max_columns
+    labels = [[step_label(schedule, step) for _, _, step in iv] for iv in timeline.intervals]
+    single = [len(label) for row in labels for label in row if "&" not in label]
+    width = max(single, default=2) + 1
+    lines = []
+    for rank, iv in enumerate(timeline.intervals):
+        cells = ["." + " " * (width - 1) for _ in range(columns)]
+        for (start, end, _), label in zip(iv, labels[rank]):
+            first = int(start / quantum)
+            last = max(first + 1, int(math.ceil(end / quantum)))
+            span = (last - first) * width
+            text = (label + "-" * span)[: span - 1] + " "  # label, continued by dashes
+            for j in range(first, min(last, columns)):
+                k = j - first
+                cells[j] = text[k * width : (k + 1) * width]
+        lines.append(f"rank {rank:>2} | " + "".join(cells).rstrip())
+    unit = f"one column = {float(quantum):g} time unit{'s' if quantum != 1 else ''}"
+    return "\n".join(lines + [f"({unit}; '.' = idle)"])
+
+
+# --------------------------------------------------------------------------------------------
+# Colours: one hue per kind; the second stage / direction 1 is a darker shade.
+# --------------------------------------------------------------------------------------------
+
+_COLOURS = {
+    ("F", 0): "#8fb9e8", ("F", 1): "#3d7cc9",
+    ("B", 0): "#9fd8a4", ("B", 1): "#3f9d4a",
+    ("I", 0): "#f4c27a", ("I", 1): "#d98b1c",
+    ("W", 0): "#d0d0d0", ("W", 1): "#8c8c8c",
+}
+
+
+def _shade(schedule: Schedule, action: Action) -> int:
+    if action.direction is not None:
+        return action.direction
+    own = schedule.placement.stages_of(schedule.placement.rank_of(action.stage))
+    return 1 if len(own) > 1 and own.index(action.stage) % 2 == 1 else 0
+
+
+def colour(schedule: Schedule, action: Action) -> str:
+    return _COLOURS[(action.kind, _shade(schedule, action))]
+
+
+def _boxes(timeline: Timeline):
+    """(rank, start, end, [(fraction of the row height, colour)], label) for every step."""
+    schedule = timeline.schedule
+    for rank, iv in enumerate(timeline.intervals):
+        for start, end, step in iv:
+            parts = step.parts
+            bands = [(1 / len(parts), colour(schedule, a)) for a in parts]
+            yield rank, start, end, bands, "&".join(str(a.mb) for a in parts)
+
+
+def render_svg(timeline: Timeline, cell: int = 22, row: int = 26) -> str:
+    """A standalone SVG: rows are ranks, width proportional to time."""
+    schedule = timeline.schedule
+    left, top = 60, 30
+    scale = cell / min((c for c in (timeline.costs.F, timeline.costs.I, timeline.costs.W) if c), default=Fraction(1))
+    width = left + int(float(timeline.makespan * scale)) + 20
+    height = top + row * schedule.pp + 30
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" font-size="11">',
+        f'<text x="{left}" y="18">{schedule.name}: pp={schedule.pp}, micro-batches={schedule.micro_batches}, '
+        f"makespan={float(timeline.makespan):g}, bubble={float(timeline.bubble_fraction):.3f}</text>",
+    ]
+    for rank in range(schedule.pp):
+        out.append(f'<text x="4" y="{top + rank * row + row * 0.65:.1f}">rank {rank}</text>')
+    for rank, start, end, bands, label in _boxes(timeline):
+        x, w = left + float(start * scale), float((end - start) * scale)
+        y = top + rank * row
+        offset = 0.0
+        for share, fill in bands:
+            h = (row - 2) * share
+            out.append(f'<rect x="{x:.1f}" y="{y + offset:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}" stroke="#333" stroke-width="0.5"/>')
+            offset += h
+        out.append(f'<text x="{x + w / 2:.1f}" y="{y + row * 0.6:.1f}" text-anchor="middle">{label}</text>')
+    legend = "F forward, B backward, I input grad, W weight grad; darker: second stage / direction 1"
+    out.append(f'<text x="{left}" y="{height - 8}">{legend}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def render_png(timeline: Timeline, path: str) -> None:
+    """Draw the timeline with matplotlib into `path` (needs `pip install matplotlib`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("PNG output needs matplotlib (pip install matplotlib); --render svg needs nothing") from None
+    schedule = timeline.schedule
+    fig, ax = plt.subplots(figsize=(max(6.0, float(timeline.makespan) * 0.25), 0.5 * schedule.pp + 1))
+    for rank, start, end, bands, label in _boxes(timeline):
+        offset = 0.0
+        for share, fill in bands:
+            ax.broken_barh([(float(start), float(end - start))], (rank + offset - 0.45, 0.9 * share), facecolors=fill, edgecolor="#333", linewidth=0.4)
+            offset += 0.9 * share
+        ax.text(float(start + end) / 2, rank, label, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(schedule.pp), [f"rank {r}" for r in range(schedule.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(f"{schedule.name}: pp={schedule.pp}, m={schedule.micro_batches}, bubble {float(timeline.bubble_fraction):.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def chrome_trace(timeline: Timeline, microseconds_per_unit: float = 1000.0) -> dict:
+    """Chrome trace-event JSON: one thread per rank, one complete event per step."""
+    schedule = timeline.schedule
+    events = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in range(schedule.pp)
+    ]
+    for rank, iv in enumerate(timeline.intervals):
+        for start, end, step in iv:
+            events.append(
+                {
+                    "name": step_label(schedule, step),
+                    "cat": step.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": float(start) * microseconds_per_unit,
+                    "dur": float(end - start) * microseconds_per_unit,
+                    "args": {"step": str(step)},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+__all__ = ["render_text", "render_svg", "render_png", "chrome_trace", "action_label", "step_label"]
