@@ -12,6 +12,8 @@ import importlib
 import importlib.util
 import sys
 
+from refimpl.backend import BackendError
+
 COMMANDS = {
     "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
     "verify": ("refimpl.verify", "check a distributed run against single-process training"),
@@ -46,6 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as exc:
+    except (UsageError, ValueError, FileNotFoundError, BackendError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

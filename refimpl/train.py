@@ -205,6 +205,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--backend", choices=backend.BACKENDS, default=None,
+                   help="array module (default numpy, or $REFIMPL_BACKEND)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
 
 
@@ -220,6 +222,8 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> int:
+    if args.backend is not None:
+        backend.set_backend(args.backend)
     cfg = config_from_args(args)
     summary = train(cfg, progress=True)
     summary.pop("_model")

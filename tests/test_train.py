@@ -87,6 +87,15 @@ def test_bad_input_is_a_one_line_error(args, message):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_unknown_backend_is_a_clear_error():
+    import os
+
+    env = dict(os.environ, REFIMPL_BACKEND="tensorflow")
+    result = subprocess.run([sys.executable, "-m", "refimpl", "train", "--steps", "1"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "unknown backend 'tensorflow'" in result.stderr
+
+
 def test_empty_text_file_is_a_clear_error(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
