@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from refimpl import backend
-from refimpl.autograd import Tensor, no_grad, saved_tensors
+from refimpl.autograd import no_grad, saved_tensors
 from refimpl.console import Progress, emit_json, log
-from refimpl.data import IGNORE, SortTask, SpiralsTask, TextTask, accuracy
+from refimpl.data import SortTask, SpiralsTask, TextTask, accuracy
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
+from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
 from refimpl.optim import OPTIMIZERS, clip_grad_norm_
 
 # Per-model defaults (the demo settings); a flag given on the command line overrides them.
@@ -67,7 +68,8 @@ class TrainConfig:
         if self.model == "gpt" and self.seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2 for the GPT, got {self.seq_len}")
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}; "
+                             f"choose a batch size that is a multiple of it")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.data is not None and self.model != "gpt":
@@ -102,36 +104,39 @@ def build_optimizer(cfg: TrainConfig, params):
     return OPTIMIZERS["sgd"](params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
 
 
-def to_input(model, x):
-    """Token ids stay integers; features become a Tensor of the model's dtype."""
-    if x.dtype.kind in "iu":
-        return backend.asarray(x)
-    return Tensor(backend.asarray(x, dtype=model.parameters()[0].dtype))
+class LocalTrainer:
+    """Single-process training on the whole global batch: the reference every distributed trainer
+    is checked against (it imports nothing from refimpl.parallel)."""
 
+    world_size, rank = 1, 0
 
-def count_targets(y) -> int:
-    return int((np.asarray(y) != IGNORE).sum())
+    def __init__(self, model, optimizer, grad_accum: int = 1, clip: float = 0.0) -> None:
+        self.model, self.optimizer, self.grad_accum, self.clip = model, optimizer, grad_accum, clip
+        self.record_grads = False
+        self.last_grads: dict = {}
 
+    def step(self, x, y) -> float:
+        """Forward and backward over grad_accum micro-batches, clip, step, zero grads; return the loss."""
+        total = count_targets(y)
+        loss_value = 0.0
+        for xm, ym in split_batch(x, y, self.grad_accum, "micro-batches (--grad-accum)"):
+            loss = micro_batch_loss(self.model, xm, ym, total)
+            loss.backward()
+            loss_value += float(loss.item())
+        if self.clip > 0:
+            clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.record_grads:
+            self.last_grads = {name: backend.to_host(p.grad).copy() for name, p in self.model.named_parameters()}
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss_value
 
-def micro_batch_loss(model, x, y, total_count: int) -> Tensor:
-    """Σ cross-entropy over the micro-batch's counted targets / the whole batch's count."""
-    logits = model(to_input(model, x))
-    return F.cross_entropy(logits, backend.asarray(y), reduction="sum") * (1.0 / max(1, total_count))
+    def full_parameters(self) -> dict:
+        """{name: NumPy array} of the whole model."""
+        return self.model.state_dict()
 
-
-def train_step(model, optimizer, x, y, grad_accum: int, clip: float) -> float:
-    """Forward and backward over grad_accum micro-batches, clip, step, zero grads. Returns the loss."""
-    total = count_targets(y)
-    loss_value = 0.0
-    for xm, ym in zip(np.array_split(x, grad_accum), np.array_split(y, grad_accum)):
-        loss = micro_batch_loss(model, xm, ym, total)
-        loss.backward()
-        loss_value += float(loss.item())
-    if clip > 0:
-        clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss_value
+    def report(self) -> dict:
+        return {}
 
 
 @no_grad()
@@ -151,7 +156,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     cfg.check()
     task = build_task(cfg)
     model = build_model(cfg, task)
-    optimizer = build_optimizer(cfg, model.parameters())
+    trainer = LocalTrainer(model, build_optimizer(cfg, model.parameters()), cfg.grad_accum, cfg.clip)
     bar = Progress(cfg.steps, label=f"train {cfg.model}", enabled=progress)
     saved_tensors.reset_peak()
     peak_activation_bytes = 0
@@ -161,11 +166,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     for step in range(cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
         saved_tensors.reset_peak()
-        loss = train_step(model, optimizer, x, y, cfg.grad_accum, cfg.clip)
+        loss = trainer.step(x, y)
         peak_activation_bytes = max(peak_activation_bytes, saved_tensors.peak_bytes)
         losses.append(loss)
         examples += len(x)
-        tokens += int(np.asarray(x).size) if cfg.model == "gpt" else 0
+        tokens += x.size if cfg.model == "gpt" else 0
         bar.update(step + 1, loss=loss)
     elapsed = time.perf_counter() - start
     eval_loss, acc = evaluate(model, task)
