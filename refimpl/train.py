@@ -18,7 +18,6 @@ import argparse
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 
 from refimpl import backend
 from refimpl.autograd import no_grad, saved_tensors
