@@ -23,8 +23,9 @@ Formulas (F, B = time of one chunk's forward / backward, i.e. 1/v of a 1F1B stag
     idle per rank    (p - 1)(F + B), which is (p - 1)(F_stage + B_stage) / v: 1F1B's bubble / v
     bubble fraction  (p - 1) / (v m + p - 1)
     cost             v times as many point-to-point messages as 1F1B
-    activations      rank 0 holds (v + 1) p - 2 chunk activations at most (in 1F1B-stage units
-                     about p + p/v): a little more than 1F1B's p
+    activations      rank r holds at most 2(p - r - 1) + (v - 1) p + 1 chunk activations (all
+                     v m when m == p); rank 0: (v + 1) p - 1, i.e. p + (p - 1)/v in units of a
+                     1F1B stage: a little more than 1F1B's p
 
 Megatron-LM later relaxed m % p == 0; this reference keeps the original rule.
 """
