@@ -407,16 +407,17 @@ class Comm:
     # -- point to point -------------------------------------------------------------------------------
 
     def send(self, buf, dest: int, tag: int = 0) -> None:
-        """Send buf to rank dest (blocking until buf may be reused)."""
+        """Send buf to rank dest; returns when buf may be reused, which (as for MPI_Send) may be only
+        once the receiver has posted its receive -- so a send to oneself needs isend."""
         flat = self._p2p(buf, dest, tag, "dest", writable=False)
         self.counters.record("send", flat.nbytes)
-        self._wait_all([self._post_send(flat, dest, tag)])
+        self._send(flat, dest, tag)
 
     def recv(self, buf, source: int, tag: int = 0):
         """Receive into buf from rank source; returns buf."""
         flat = self._p2p(buf, source, tag, "source", writable=True)
         self.counters.record("recv")
-        self._wait_all([self._post_recv(flat, source, tag)])
+        self._recv(flat, source, tag)
         return buf
 
     def isend(self, buf, dest: int, tag: int = 0) -> Request:
@@ -476,6 +477,7 @@ class Comm:
     # _mpi_allreduce / _mpi_reduce_scatter / _mpi_allgather / _mpi_bcast / _mpi_barrier(blocking):
     #     run MPI's built-in; return None when blocking, else one low-level handle (or None: done)
     # _post_send / _post_recv(flat, peer, tag, internal=False): start a message, return a handle
+    # _send / _recv(flat, peer, tag): blocking point-to-point
     # _test_all(handles) -> bool, _wait_all(handles)
     # _allgather_bytes(payload) -> list[bytes], _bcast_bytes(payload, root) -> bytes
     # split(color, key=None) -> Comm | None, abort(code, message), world_rank, node_size()
@@ -540,6 +542,12 @@ class MPIComm(Comm):
     def _post_recv(self, flat, source, tag, internal=False):
         return (self._ring_comm if internal else self._comm).Irecv(self._msg(flat), source, tag)
 
+    def _send(self, flat, dest, tag):
+        self._comm.Send(self._msg(flat), dest, tag)
+
+    def _recv(self, flat, source, tag):
+        self._comm.Recv(self._msg(flat), source, tag)
+
     def _test_all(self, handles) -> bool:
         return self._MPI.Request.Testall(handles)
 
@@ -594,6 +602,7 @@ class MPIComm(Comm):
         sys.stderr.flush()
         sys.stdout.flush()
         self._MPI.COMM_WORLD.Abort(code)
+        os._exit(code)  # not reached: MPI_Abort does not return
 
 
 # ------------------------------------------------------------------------------------------------
@@ -650,6 +659,12 @@ class LocalComm(Comm):
 
     def _post_recv(self, flat, source, tag, internal=False):
         return _LocalReceive(self._mailbox(internal, tag), flat)
+
+    def _send(self, flat, dest, tag):
+        self._post_send(flat, dest, tag)  # buffered in the mailbox
+
+    def _recv(self, flat, source, tag):
+        self._wait_all([self._post_recv(flat, source, tag)])
 
     def _test_all(self, handles) -> bool:
         return all([h is None or h.test() for h in handles])
@@ -710,7 +725,6 @@ def existing_world() -> Comm | None:
 
 
 def _create_mpi_world() -> MPIComm:
-    os.environ.setdefault("MPIR_CVAR_SUPPRESS_ABORT_MESSAGE", "1")  # we print our own line (failure.py)
     try:
         from mpi4py import MPI  # noqa: PLC0415 - the only import of mpi4py in refimpl
     except Exception as exc:  # ImportError, or RuntimeError when no MPI library can be loaded

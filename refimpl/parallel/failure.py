@@ -11,8 +11,8 @@ What `install` does, once, when the MPI world communicator is created (comm.get_
     preceded by the traceback with every line prefixed "[rank R] " -- except for bad input
     (ValueError and its subclasses, such as the CLI's UsageError), which prints that one line
     only -- and then call MPI_Abort with exit code 2 for bad input, 130 for Ctrl-C, 1 otherwise.
-  * MPICH's own "Abort(...) on node ..." line is suppressed (MPIR_CVAR_SUPPRESS_ABORT_MESSAGE,
-    unless the user set it), so each failing rank prints exactly its own message.
+  * MPICH then adds one line of its own, "Abort(2) on node 1 (rank 1 in comm 0): application
+    called MPI_Abort(MPI_COMM_WORLD, 2) - process 1", and mpiexec exits with the same code.
 
 Launch line that guarantees it (MPICH wheel, hydra process manager; no flag is needed, and
 oversubscription -- more ranks than cores -- works as is):
@@ -58,12 +58,14 @@ def exit_code(exc: BaseException) -> int:
 
 def report(rank: int, exc: BaseException, tb=None) -> str:
     """The text written to stderr for an uncaught exception on `rank`."""
-    lines = []
-    if not isinstance(exc, BAD_INPUT_ERRORS + (KeyboardInterrupt,)):
-        for chunk in traceback.format_exception(type(exc), exc, tb):
-            lines.extend(f"[rank {rank}] {line}" for line in chunk.rstrip("\n").split("\n"))
-    lines.append(format_error(rank, exc))
-    return "\n".join(lines) + "\n"
+    summary = format_error(rank, exc)
+    if isinstance(exc, BAD_INPUT_ERRORS + (KeyboardInterrupt,)):
+        return summary + "\n"
+    text = "".join(traceback.format_exception(type(exc), exc, tb)).rstrip("\n").split("\n")
+    lines = [f"[rank {rank}] {line}" for line in text]
+    if lines[-1] == summary:  # the traceback already ends with our summary line
+        lines.pop()
+    return "\n".join(lines + [summary]) + "\n"
 
 
 def install(rank: int, abort: Callable[[int], None]) -> None:

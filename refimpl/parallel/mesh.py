@@ -27,9 +27,9 @@ from __future__ import annotations
 
 
 class Mesh:
-    """The dp x pp grid over `world`; dp or pp may be left out (None) and is then inferred."""
+    """The dp x pp grid over `world`. Leave out one of dp, pp and it is inferred; leave out both: dp = N, pp = 1."""
 
-    def __init__(self, world, dp: int | None = None, pp: int | None = 1):
+    def __init__(self, world, dp: int | None = None, pp: int | None = None):
         size = world.size
         for name, value in (("dp", dp), ("pp", pp)):
             if value is not None and not (isinstance(value, int) and value >= 1):

@@ -1,0 +1,374 @@
+"""Every check of the communication layer for one world size, in one launch.
+
+    mpiexec -n 4 python tests/mpi_programs/collectives.py                    # the full suite
+    mpiexec -n 3 python tests/mpi_programs/collectives.py --cases cases.json # drawn cases only
+    python tests/mpi_programs/collectives.py                                 # one process, no MPI
+
+Rank 0 prints one JSON line, last: {"world_size", "checks", "failures", "mpi4py_imported",
+"thread_budget", ...}. A check never raises: it records a failure message (prefixed with the rank)
+and the program carries on, so one launch reports everything that is wrong.
+
+Expected values are computed on every rank from every rank's data (all drawn from one seed):
+  * values: NumPy's sum over ranks (tolerance for random floats, exact for integer-valued data);
+    in ring mode, also bit for bit the ring's documented order (ring.py: block b summed from rank
+    b+1 around to b);
+  * bytes: the ring formulas, written here independently with numpy.array_split, and their sum
+    over ranks, (N-1)*L per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pickle
+import sys
+
+import numpy as np
+
+from refimpl.parallel import comm as commlib
+from refimpl.parallel import threads
+from refimpl.parallel.mesh import Mesh
+
+TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-5, 1e-6), "float16": (1e-2, 1e-2)}
+REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+class Checker:
+    def __init__(self, rank: int):
+        self.rank, self.count, self.failures = rank, 0, []
+
+    def __call__(self, ok, message: str) -> bool:
+        self.count += 1
+        if not ok:
+            self.failures.append(f"[rank {self.rank}] {message}")
+        return bool(ok)
+
+    def raises(self, fn, error, fragment: str, what: str) -> None:
+        try:
+            fn()
+        except error as exc:
+            self(fragment in str(exc), f"{what}: message {str(exc)!r} lacks {fragment!r}")
+        except Exception as exc:  # noqa: BLE001 - recorded, not raised
+            self(False, f"{what}: raised {type(exc).__name__}: {exc}, expected {error.__name__}")
+        else:
+            self(False, f"{what}: did not raise {error.__name__}")
+
+
+# -- data and expectations ---------------------------------------------------------------------------
+
+
+def contributions(seed: int, n: int, length: int, dtype: str, integer: bool) -> np.ndarray:
+    """Every rank's input, shape (n, length): row r is rank r's."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(-8, 9, size=(n, length)) if integer else rng.standard_normal((n, length))
+    return data.astype(dtype)
+
+
+def blocks(length: int, n: int) -> list[slice]:
+    """Block b of a buffer of `length` elements, as numpy.array_split cuts it."""
+    edges = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(length), n)])
+    return [slice(int(edges[b]), int(edges[b + 1])) for b in range(n)]
+
+
+def ring_order(x: np.ndarray, op: str) -> np.ndarray:
+    """What the ring computes, in its order: block b folded over ranks b+1, b+2, ..., b."""
+    n, length = x.shape
+    out = np.empty(length, dtype=x.dtype)
+    for b, cut in enumerate(blocks(length, n)):
+        acc = x[(b + 1) % n, cut].copy()
+        for k in range(2, n + 1):
+            REDUCE[op](acc, x[(b + k) % n, cut], out=acc)
+        out[cut] = acc
+    return out
+
+
+def formula_bytes(kind: str, length: int, n: int, rank: int, itemsize: int, root: int = 0) -> int:
+    sizes = [s.stop - s.start for s in blocks(length, n)]
+    if n == 1:
+        return 0
+    rs, ag = length - sizes[rank], length - sizes[(rank + 1) % n]
+    elements = {"reduce_scatter": rs, "allgather": ag, "allreduce": rs + ag,
+                "bcast": 0 if rank == (root - 1) % n else length}[kind]
+    return elements * itemsize
+
+
+def close(got, want, dtype, exact):
+    if exact:
+        return np.array_equal(got, want)
+    rtol, atol = TOLERANCE[dtype]
+    return np.allclose(got, want, rtol=rtol, atol=atol)
+
+
+# -- one collective call, checked ----------------------------------------------------------------------
+
+
+def run_case(chk: Checker, world, case: dict) -> None:
+    """case: kind, length, dtype, integer, op, root, mode ("mpi" | "ring"), style, seed."""
+    comm = world.with_collectives(case["mode"])
+    n, r = comm.size, comm.rank
+    kind, length, dtype, op, root, style = (case[k] for k in ("kind", "length", "dtype", "op", "root", "style"))
+    x = contributions(case["seed"], n, length, dtype, case["integer"])  # (n, L)
+    cuts = blocks(length, n)
+    exact = case["integer"] or op != "sum"
+    label = json.dumps(case, sort_keys=True)
+
+    def finish(request):
+        if style == "poll":
+            while not request.test():
+                pass
+            return request.result
+        return request.wait()
+
+    before = comm.counters.snapshot()
+    if kind == "allreduce":
+        got = x[r].copy()
+        out = comm.allreduce(got, op) if style == "blocking" else finish(comm.iallreduce(got, op))
+        chk(out is got, f"{label}: allreduce did not return its buffer")
+        want = REDUCE[op].reduce(x, axis=0)
+        if case["mode"] == "ring" and not exact:
+            chk(np.array_equal(got, ring_order(x, op)), f"{label}: ring allreduce differs from its documented order")
+    elif kind == "reduce_scatter":
+        send = x[r].copy()
+        got = comm.reduce_scatter(send, op=op) if style == "blocking" else finish(comm.ireduce_scatter(send, op=op))
+        want = REDUCE[op].reduce(x, axis=0)[cuts[r]]
+        chk(np.array_equal(send, x[r]), f"{label}: reduce_scatter modified sendbuf")
+        if case["mode"] == "ring" and not exact:
+            chk(np.array_equal(got, ring_order(x, op)[cuts[r]]), f"{label}: ring reduce_scatter order")
+    elif kind == "allgather":
+        recv = np.full(length, np.nan if dtype.startswith("float") else 0, dtype=dtype)
+        mine = x[r, cuts[r]].copy()
+        got = comm.allgather(mine, recv) if style == "blocking" else finish(comm.iallgather(mine, recv))
+        want = np.concatenate([x[b, cuts[b]] for b in range(n)]) if length else x[0, :0]
+        exact = True
+    else:  # bcast
+        got = x[r].copy()
+        got = comm.bcast(got, root) if style == "blocking" else finish(comm.ibcast(got, root))
+        want, exact = x[root], True
+    chk(got.shape == want.shape and close(got, want, dtype, exact), f"{label}: wrong values")
+
+    delta = comm.counters.since(before)
+    expect = formula_bytes(kind, length, n, r, np.dtype(dtype).itemsize, root)
+    chk(delta == {kind: {"calls": 1, "bytes": expect}}, f"{label}: counted {delta}, formula {expect} bytes")
+
+
+def default_cases(n: int) -> list[dict]:
+    """Lengths around N (empty blocks, remainders), a few dtypes, all roots, three waiting styles."""
+    lengths = sorted({0, 1, max(n - 1, 0), n, n + 1, 2 * n + 3, 1000, 4099})
+    variants = [("float64", False, "sum"), ("float64", True, "sum"), ("float32", False, "sum"),
+                ("float16", True, "sum"), ("int64", True, "sum"), ("float64", False, "max"),
+                ("float32", False, "min")]
+    styles = itertools.cycle(["blocking", "wait", "poll"])
+    cases = []
+    for mode, kind in itertools.product(["mpi", "ring"], ["allreduce", "reduce_scatter", "allgather", "bcast"]):
+        for i, (length, (dtype, integer, op)) in enumerate(itertools.product(lengths, variants)):
+            if kind in ("allgather", "bcast") and op != "sum":
+                continue  # no reduction: one op is enough
+            root = i % n
+            cases.append(dict(kind=kind, length=length, dtype=dtype, integer=integer, op=op, root=root,
+                              mode=mode, style=next(styles), seed=1000 * i + n))
+    return cases
+
+
+# -- everything else -------------------------------------------------------------------------------------
+
+
+def check_totals(chk, world) -> None:
+    """Summed over ranks, each ring phase sends (N-1) * L elements, whatever L is."""
+    n = world.size
+    for mode, length in itertools.product(["mpi", "ring"], [0, 1, n + 1, 1001]):
+        comm = world.with_collectives(mode)
+        before = comm.counters.snapshot()
+        comm.allreduce(np.ones(length))
+        comm.reduce_scatter(np.ones(length))
+        comm.allgather(None, np.ones(length))
+        comm.bcast(np.ones(length), root=n - 1)
+        mine = comm.counters.since(before)
+        everyone = world.allgather_object(mine)
+        for kind, phases in [("allreduce", 2), ("reduce_scatter", 1), ("allgather", 1), ("bcast", 1)]:
+            total = sum(d.get(kind, {"bytes": 0})["bytes"] for d in everyone)
+            chk(total == phases * (n - 1) * length * 8, f"{mode} {kind} L={length}: ranks sent {total} bytes in all")
+
+
+def check_shapes_and_in_place(chk, world) -> None:
+    n, r = world.size, world.rank
+    for mode in ["mpi", "ring"]:
+        comm = world.with_collectives(mode)
+        grid = np.arange(15.0).reshape(3, 5) * (r + 1)  # (3, 5): any shape, seen as flat
+        out = comm.allreduce(grid)
+        chk(out is grid and np.array_equal(grid, np.arange(15.0).reshape(3, 5) * n * (n + 1) / 2),
+            f"{mode}: 2-D allreduce")
+        shard = np.full(3, float(r))  # equal blocks, recvbuf allocated: (3N,)
+        full = comm.allgather(shard)
+        chk(np.array_equal(full, np.repeat(np.arange(n, dtype=float), 3)), f"{mode}: allgather with recvbuf=None")
+        flat = np.zeros(2 * n + 1)  # in place: our block already there
+        cut = blocks(flat.size, n)[r]
+        flat[cut] = r + 1
+        comm.allgather(None, flat)
+        want = np.concatenate([np.full(c.stop - c.start, b + 1.0) for b, c in enumerate(blocks(flat.size, n))])
+        chk(np.array_equal(flat, want), f"{mode}: in-place allgather")
+        chk(comm.allreduce_value(r + 1.0) == n * (n + 1) / 2, f"{mode}: allreduce_value")
+        chk(comm.allreduce_value(float(r), op="max") == n - 1, f"{mode}: allreduce_value max")
+
+
+def check_many_in_flight(chk, world) -> None:
+    """Several non-blocking collectives at once, progressed in a different order on each rank."""
+    n, r = world.size, world.rank
+    for mode in ["mpi", "ring"]:
+        comm = world.with_collectives(mode)
+        buffers = [np.full(1000 + 7 * k, float(r + k)) for k in range(3)]
+        requests = [comm.iallreduce(b) for b in buffers]
+        shard = comm.ireduce_scatter(np.arange(50.0) * (r + 1))
+        gathered = comm.iallgather(np.full(2, float(r)))
+        cast = comm.ibcast(np.full(9, float(r)), root=n - 1)
+        everything = requests + [shard, gathered, cast]
+        order = everything if r % 2 == 0 else everything[::-1]
+        while not commlib.test_all(order):
+            pass
+        for k, b in enumerate(buffers):
+            chk(np.array_equal(b, np.full(b.size, n * k + n * (n - 1) / 2)), f"{mode}: in-flight allreduce {k}")
+        total = np.arange(50.0) * n * (n + 1) / 2
+        chk(np.array_equal(shard.result, total[blocks(50, n)[r]]), f"{mode}: in-flight reduce_scatter")
+        chk(np.array_equal(gathered.result, np.repeat(np.arange(n, dtype=float), 2)), f"{mode}: in-flight allgather")
+        chk(np.array_equal(cast.result, np.full(9, n - 1.0)), f"{mode}: in-flight bcast")
+
+
+def check_point_to_point(chk, world) -> None:
+    n, r = world.size, world.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    before = world.counters.snapshot()
+    got = world.sendrecv(np.full(4, float(r)), right, np.zeros(4), left, sendtag=3)
+    chk(np.array_equal(got, np.full(4, float(left))), "sendrecv shift")
+    inbox = np.zeros(6)
+    receive = world.irecv(inbox, left, tag=9)
+    send = world.isend(np.arange(6.0) + r, right, tag=9)
+    commlib.wait_all([send, receive])
+    chk(np.array_equal(inbox, np.arange(6.0) + left), "isend/irecv shift")
+    if n > 1:  # blocking send/recv in pairs: even ranks send first
+        partner = r ^ 1
+        if partner < n:
+            box = np.zeros(3, dtype=np.float32)
+            if r % 2 == 0:
+                world.send(np.full(3, r, dtype=np.float32), partner, tag=1)
+                world.recv(box, partner, tag=1)
+            else:
+                world.recv(box, partner, tag=1)
+                world.send(np.full(3, r, dtype=np.float32), partner, tag=1)
+            chk(np.array_equal(box, np.full(3, partner, dtype=np.float32)), "send/recv pair")
+    else:  # one process: a message to oneself (a blocking send to oneself may wait forever, as MPI_Send)
+        box = np.zeros(3, dtype=np.float32)
+        request = world.isend(np.ones(3, dtype=np.float32), 0, tag=1)
+        world.recv(box, 0, tag=1)
+        request.wait()
+        chk(np.array_equal(box, np.ones(3)), "isend/recv to self")
+    paired = n == 1 or (r ^ 1) < n
+    delta = world.counters.since(before)
+    want = {"sendrecv": {"calls": 1, "bytes": 32}, "send": {"calls": 1 + paired, "bytes": 48 + 12 * paired},
+            "recv": {"calls": 1 + paired, "bytes": 0}}
+    chk(delta == want, f"point-to-point counted {delta}, expected {want}")
+
+
+def check_split_and_mesh(chk, world) -> None:
+    n, r = world.size, world.rank
+    before_world = world.counters.snapshot()
+    half = world.split(color=r % 2)
+    members = [k for k in range(n) if k % 2 == r % 2]
+    chk(half.size == len(members) and half.rank == members.index(r), "split: size and rank")
+    buf = np.full(10, float(r))
+    half.allreduce(buf)
+    chk(np.array_equal(buf, np.full(10, float(sum(members)))), "split: allreduce within the half")
+    sub_bytes = half.counters.bytes("allreduce")
+    chk(sub_bytes == formula_bytes("allreduce", 10, half.size, half.rank, 8), "split: its own counters")
+    chk(world.counters.since(before_world).get("allreduce", {}).get("bytes") == sub_bytes,
+        "split: counted into the world's counters too")
+    only_zero = world.split(color=0 if r == 0 else None)
+    chk((only_zero is not None) == (r == 0), "split: color None gives None")
+
+    for dp in [d for d in range(1, n + 1) if n % d == 0]:
+        pp = n // dp
+        mesh = Mesh(world, dp=dp, pp=pp)
+        d, p = r // pp, r % pp
+        chk((mesh.dp_index, mesh.pp_index) == (d, p) and mesh.rank_of(d, p) == r, f"mesh {dp}x{pp}: coordinates")
+        chk(mesh.dp_comm.rank == d and mesh.pp_comm.rank == p, f"mesh {dp}x{pp}: sub-communicator ranks")
+        chk(mesh.dp_comm.allgather_object(r) == [mesh.rank_of(k, p) for k in range(dp)], f"mesh {dp}x{pp}: dp group")
+        chk(mesh.pp_comm.allgather_object(r) == list(range(d * pp, d * pp + pp)), f"mesh {dp}x{pp}: pp group")
+        inferred = Mesh(world, pp=pp)
+        chk((inferred.dp, inferred.pp) == (dp, pp), f"mesh pp={pp}: dp inferred")
+    chk.raises(lambda: Mesh(world, dp=n + 1, pp=1), ValueError, f"needs {n + 1} ranks, but the world has {n}",
+               "mesh too big")
+    chk.raises(lambda: Mesh(world, dp=2, pp=n), ValueError, f"needs {2 * n} ranks", "mesh dp x pp != N")
+    chk.raises(lambda: Mesh(world, pp=n + 1), ValueError, "does not divide the world size", "pp not dividing N")
+    chk.raises(lambda: Mesh(world, dp=0), ValueError, "positive integer", "dp = 0")
+
+
+def check_bad_input(chk, world) -> None:
+    n, r = world.size, world.rank
+    chk.raises(lambda: world.allreduce(np.ones((4, 4))[:, 0]), ValueError, "C-contiguous", "strided buffer")
+    chk.raises(lambda: world.allreduce([1.0, 2.0]), ValueError, "must be a numpy array", "a list")
+    chk.raises(lambda: world.allreduce(np.ones(3), op="mean"), ValueError, "unknown reduction", "bad op")
+    chk.raises(lambda: world.allreduce(np.array(["a"])), ValueError, "float or integer", "string dtype")
+    frozen = np.ones(3)
+    frozen.flags.writeable = False
+    chk.raises(lambda: world.allreduce(frozen), ValueError, "read-only", "read-only buffer")
+    chk.raises(lambda: world.reduce_scatter(np.ones(2 * n), np.zeros(5)), ValueError, "recvbuf has 5", "recv size")
+    chk.raises(lambda: world.reduce_scatter(np.ones(2 * n), np.zeros(2, np.float32)), ValueError, "float32",
+               "dtype mismatch")
+    shared = np.ones(2 * n)
+    chk.raises(lambda: world.reduce_scatter(shared, shared[:2]), ValueError, "overlap", "overlapping buffers")
+    chk.raises(lambda: world.allgather(np.ones(5), np.zeros(2 * n)), ValueError, "sendbuf has 5", "send size")
+    chk.raises(lambda: world.bcast(np.ones(2), root=n), ValueError, f"root={n}", "bad root")
+    chk.raises(lambda: world.send(np.ones(2), dest=-1), ValueError, "dest=-1", "bad dest")
+    chk.raises(lambda: world.isend(np.ones(2), dest=0, tag=10**6), ValueError, "tag=", "bad tag")
+    chk.raises(lambda: commlib.get_world("tree"), ValueError, "unknown collectives", "bad collectives")
+
+
+def check_objects(chk, world) -> None:
+    n, r = world.size, world.rank
+    before = world.counters.snapshot()
+    objects = world.allgather_object({"rank": r, "pad": "x" * r})
+    chk(objects == [{"rank": k, "pad": "x" * k} for k in range(n)], "allgather_object")
+    sizes = [len(pickle.dumps(o)) for o in objects]
+    want = 0 if n == 1 else sum(sizes) - sizes[(r + 1) % n] + 8 * (n - 1)
+    chk(world.counters.since(before) == {"allgather_object": {"calls": 1, "bytes": want}}, "allgather_object bytes")
+    chk(world.bcast_object(["root", r], root=n - 1) == ["root", n - 1], "bcast_object")
+    snapshot = world.counters.snapshot()
+    by_rank = world.counters_by_rank()
+    chk(len(by_rank) == n and by_rank[r] == snapshot, "counters_by_rank")
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", help="a JSON file holding a list of cases (run only those)")
+    args = parser.parse_args()
+    world = commlib.get_world()
+    chk = Checker(world.rank)
+    if args.cases:
+        with open(args.cases) as f:
+            cases = json.load(f)
+        for case in cases:
+            run_case(chk, world, case)
+    else:
+        cases = default_cases(world.size)
+        for case in cases:
+            run_case(chk, world, case)
+        check_totals(chk, world)
+        check_shapes_and_in_place(chk, world)
+        check_many_in_flight(chk, world)
+        check_point_to_point(chk, world)
+        check_split_and_mesh(chk, world)
+        check_bad_input(chk, world)
+        check_objects(chk, world)
+    failures = [f for per_rank in world.allgather_object(chk.failures) for f in per_rank]
+    checks = sum(world.allgather_object(chk.count))
+    budget = threads.current()
+    if world.rank == 0:
+        print(json.dumps({"world_size": world.size, "cases": len(cases), "checks": checks, "failures": failures[:50],
+                          "failure_count": len(failures), "mpi4py_imported": "mpi4py" in sys.modules,
+                          "comm": type(world).__name__, "thread_budget": budget and budget.as_dict()}))
+
+
+if __name__ == "__main__":
+    main()

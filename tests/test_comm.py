@@ -1,0 +1,371 @@
+"""The communication layer in one process: block layout, byte formulas, the ring algorithms on a
+simulated network (N up to 8, no MPI), the local world, counters, mesh, thread budget, failure
+messages, and that none of it imports mpi4py.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections import deque
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpi_util import clean_env, find_mpiexec, run_local, run_local_json
+from refimpl.parallel import comm as commlib
+from refimpl.parallel import failure, ring, threads
+from refimpl.parallel.mesh import Mesh
+
+# -- block layout and the byte formulas ---------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(0, 300), size=st.integers(1, 9))
+def test_block_layout_is_array_split(length, size):
+    parts = np.array_split(np.arange(length), size)
+    counts = ring.block_counts(length, size)
+    assert counts.tolist() == [len(p) for p in parts]
+    assert [ring.block_count(length, size, b) for b in range(size)] == counts.tolist()
+    starts = [int(p[0]) if len(p) else None for p in parts]
+    offsets = ring.block_offsets(counts).tolist()
+    assert [ring.block_offset(length, size, b) for b in range(size)] == offsets
+    assert all(s is None or s == o for s, o in zip(starts, offsets))
+    assert counts.max() - counts.min() <= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(0, 50), size=st.integers(1, 9), itemsize=st.sampled_from([2, 4, 8]))
+def test_byte_formulas_when_n_divides_length(blocks, size, itemsize):
+    length = blocks * size
+    for rank in range(size):
+        one_phase = (size - 1) * length // size * itemsize  # (N-1)/N of the buffer
+        assert ring.bytes_sent("reduce_scatter", length, size, rank, itemsize) == one_phase
+        assert ring.bytes_sent("allgather", length, size, rank, itemsize) == one_phase
+        assert ring.bytes_sent("allreduce", length, size, rank, itemsize) == 2 * one_phase
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(0, 300), size=st.integers(1, 9), root=st.integers(0, 8))
+def test_byte_formulas_sum_to_n_minus_1_buffers(length, size, root):
+    root %= size
+    for kind, phases in [("reduce_scatter", 1), ("allgather", 1), ("allreduce", 2), ("bcast", 1)]:
+        total = sum(ring.bytes_sent(kind, length, size, r, 1, root) for r in range(size))
+        assert total == phases * (size - 1) * length
+
+
+def test_unknown_kind_has_no_formula():
+    with pytest.raises(ValueError, match="no ring byte formula"):
+        ring.bytes_sent("alltoall", 10, 2, 0, 8)
+
+
+# -- the ring algorithms on a simulated network -----------------------------------------------------------
+
+
+class SimulatedRing:
+    """N ranks in one process: sends are buffered, a receive completes when its message has arrived."""
+
+    def __init__(self, size):
+        self.size = size
+        self.wires = {r: deque() for r in range(size)}  # messages travelling from rank r to r+1
+        self.sent = [0] * size  # bytes sent by each rank
+
+    def link(self, rank):
+        net = self
+
+        class Link:
+            def __init__(self):
+                self.rank, self.size = rank, net.size
+
+            def send(self, buf):
+                net.wires[rank].append(buf.copy())
+                net.sent[rank] += buf.nbytes
+                return []
+
+            def receive(self, buf):
+                return [("recv", (rank - 1) % net.size, buf)]
+
+            def exchange(self, send, recv):
+                return self.receive(recv) + self.send(send)
+
+            @staticmethod
+            def empty(n, dtype):
+                return np.empty(n, dtype=dtype)
+
+        return Link()
+
+    def run(self, generators):
+        """Advance every rank whose pending receives can complete, until all are finished."""
+        pending = [None] * self.size
+        live = set(range(self.size))
+        for r in list(live):
+            pending[r] = self._next(generators[r], r, live)
+        while live:
+            progressed = False
+            for r in sorted(live):
+                if all(self._complete(h) for h in pending[r]):
+                    pending[r] = self._next(generators[r], r, live)
+                    progressed = True
+            assert progressed, "the simulated ring deadlocked"
+
+    def _next(self, generator, rank, live):
+        try:
+            return [[h, False] for h in next(generator)]
+        except StopIteration:
+            live.discard(rank)
+            return []
+
+    def _complete(self, handle):
+        (_, source, buf), done = handle
+        if not done and self.wires[source]:
+            message = self.wires[source].popleft()
+            assert message.size == buf.size, "a receive matched a message of another length"
+            buf[...] = message
+            handle[1] = True
+        return handle[1]
+
+
+def ring_order(x, reduce):
+    """Block b folded over ranks b+1, ..., b (the documented order)."""
+    n, length = x.shape
+    out = np.empty(length, dtype=x.dtype)
+    counts = ring.block_counts(length, n)
+    for b, (o, c) in enumerate(zip(ring.block_offsets(counts), counts)):
+        acc = x[(b + 1) % n, o : o + c].copy()
+        for k in range(2, n + 1):
+            reduce(acc, x[(b + k) % n, o : o + c], out=acc)
+        out[o : o + c] = acc
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 8), length=st.integers(0, 60), seed=st.integers(0, 2**32 - 1),
+       reduce=st.sampled_from([np.add, np.maximum]))
+def test_simulated_ring_collectives(size, length, seed, reduce):
+    x = np.random.default_rng(seed).standard_normal((size, length))  # (N, L): row r is rank r's
+    want = ring_order(x, reduce)
+    counts, offsets = ring.block_counts(length, size), ring.block_offsets(ring.block_counts(length, size))
+
+    net = SimulatedRing(size)  # all-reduce
+    bufs = x.copy()
+    net.run([ring.allreduce(net.link(r), bufs[r], reduce) for r in range(size)])
+    assert all(np.array_equal(bufs[r], want) for r in range(size))
+    assert np.allclose(want, reduce.reduce(x, axis=0), rtol=1e-12, atol=1e-12)
+    assert net.sent == [ring.bytes_sent("allreduce", length, size, r, 8) for r in range(size)]
+
+    net = SimulatedRing(size)  # reduce-scatter, sendbuf untouched
+    sends, outs = x.copy(), [np.empty(c) for c in counts]
+    net.run([ring.reduce_scatter(net.link(r), sends[r], outs[r], reduce) for r in range(size)])
+    assert np.array_equal(sends, x)
+    assert all(np.array_equal(outs[r], want[offsets[r] : offsets[r] + counts[r]]) for r in range(size))
+    assert net.sent == [ring.bytes_sent("reduce_scatter", length, size, r, 8) for r in range(size)]
+
+    net = SimulatedRing(size)  # all-gather in place, bcast
+    bufs = np.full((size, length), np.nan)
+    for r in range(size):
+        bufs[r, offsets[r] : offsets[r] + counts[r]] = x[r, offsets[r] : offsets[r] + counts[r]]
+    net.run([ring.allgather(net.link(r), bufs[r]) for r in range(size)])
+    gathered = np.concatenate([x[b, offsets[b] : offsets[b] + counts[b]] for b in range(size)])
+    assert all(np.array_equal(bufs[r], gathered) for r in range(size))
+    assert net.sent == [ring.bytes_sent("allgather", length, size, r, 8) for r in range(size)]
+
+    root = seed % size
+    net = SimulatedRing(size)
+    bufs = x.copy()
+    net.run([ring.bcast(net.link(r), bufs[r], root) for r in range(size)])
+    assert all(np.array_equal(bufs[r], x[root]) for r in range(size))
+    assert net.sent == [ring.bytes_sent("bcast", length, size, r, 8, root) for r in range(size)]
+
+
+# -- the local world -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["mpi", "ring"])
+def test_local_world_collectives(mode):
+    world = commlib.LocalComm(mode)
+    x = np.arange(7.0)
+    assert world.allreduce(x) is x and np.array_equal(x, np.arange(7.0))
+    assert np.array_equal(world.reduce_scatter(x), x)
+    assert np.array_equal(world.allgather(np.ones(3)), np.ones(3))
+    assert world.bcast(x) is x
+    request = world.iallreduce(x)
+    assert request.test() and request.done and request.wait() is x
+    assert world.ireduce_scatter(x).wait().shape == (7,)
+    assert world.allreduce_value(2.5) == 2.5
+    world.barrier()
+    snapshot = world.counters.snapshot()
+    assert world.counters.total_bytes == 0
+    assert snapshot["allreduce"] == {"calls": 3, "bytes": 0}  # allreduce, iallreduce, allreduce_value
+    assert world.allgather_object("a") == ["a"] and world.bcast_object({"k": 1}) == {"k": 1}
+
+
+def test_local_messages_to_oneself():
+    world = commlib.LocalComm()
+    inbox = np.zeros(3)
+    receive = world.irecv(inbox, 0, tag=4)
+    assert not receive.test()
+    world.send(np.arange(3.0), 0, tag=4)  # buffered in the mailbox
+    assert receive.test() and np.array_equal(inbox, np.arange(3.0))
+    world.isend(np.ones(2), 0, tag=1)
+    assert np.array_equal(world.recv(np.zeros(2), 0, tag=1), np.ones(2))
+    assert np.array_equal(world.sendrecv(np.full(2, 5.0), 0, np.zeros(2), 0), np.full(2, 5.0))
+    with pytest.raises(RuntimeError, match="deadlock"):
+        world.recv(np.zeros(2), 0, tag=7)
+    assert world.counters.bytes("send") == 24 + 16 and world.counters.calls("recv") == 3
+
+
+def test_counters_add_up_into_parents_and_siblings_share():
+    world = commlib.LocalComm()
+    sub = world.split(color=0)
+    assert sub.counters.parent is world.counters
+    before = world.counters.snapshot()
+    sub.allreduce(np.ones(4))
+    world.barrier()
+    assert sub.counters.snapshot() == {"allreduce": {"calls": 1, "bytes": 0}}
+    assert world.counters.since(before) == {"allreduce": {"calls": 1, "bytes": 0}, "barrier": {"calls": 1, "bytes": 0}}
+    ring_world = world.with_collectives("ring")
+    assert ring_world.counters is world.counters and ring_world.collectives == "ring"
+    sub.counters.reset()
+    assert sub.counters.snapshot() == {} and world.counters.calls("allreduce") == 1
+    assert world.split(color=None) is None
+    with pytest.raises(ValueError, match="color"):
+        world.split(color=-1)
+
+
+def test_local_abort_exits_with_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        commlib.LocalComm().abort(2, "error: bad flag")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "[rank 0] error: bad flag\n"
+
+
+def test_bad_input_is_one_clear_error():
+    world = commlib.LocalComm()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        world.allreduce(np.ones((4, 4)).T)
+    with pytest.raises(ValueError, match="unknown reduction 'avg'"):
+        world.allreduce(np.ones(2), op="avg")
+    with pytest.raises(ValueError, match="unknown collectives 'tree'"):
+        commlib.LocalComm("tree")
+    with pytest.raises(ValueError, match="give sendbuf, recvbuf or both"):
+        world.allgather(None)
+    with pytest.raises(ValueError, match="overlap"):
+        x = np.ones(4)
+        world.allgather(x[:4], x)
+
+
+# -- the world, MPI detection, and never importing mpi4py ------------------------------------------------
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, False), ({"PMI_RANK": "0"}, True), ({"OMPI_COMM_WORLD_SIZE": "2"}, True), ({"PMIX_RANK": "1"}, True),
+    ({"MPI_LOCALNRANKS": "2"}, True), ({"PMI_SIZE": "2", "REFIMPL_MPI": "0"}, False), ({"REFIMPL_MPI": "1"}, True),
+])
+def test_under_mpiexec(environ, expected):
+    assert commlib.under_mpiexec(environ) is expected
+
+
+def test_one_process_never_imports_mpi4py():
+    program = textwrap.dedent("""
+        import json, sys
+        import numpy as np
+        import refimpl, refimpl.parallel, refimpl.parallel.comm, refimpl.parallel.ring, refimpl.parallel.mesh
+        from refimpl.parallel.comm import get_world, existing_world
+        assert existing_world() is None
+        world = get_world("ring")
+        world.allreduce(np.ones(3)); world.barrier()
+        print(json.dumps({"comm": type(world).__name__, "size": world.size, "mpi4py": "mpi4py" in sys.modules}))
+    """)
+    assert run_local_json(["-c", program], timeout=60) == {"comm": "LocalComm", "size": 1, "mpi4py": False}
+
+
+def test_missing_mpi_library_is_a_clear_error(tmp_path):
+    fake = tmp_path / "mpi4py"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise RuntimeError('cannot load MPI library')\n")
+    done = run_local(["-c", "from refimpl.parallel.comm import get_world; get_world()"], timeout=60,
+                     env={"REFIMPL_MPI": "1", "PYTHONPATH": f"{tmp_path}:{clean_env()['PYTHONPATH']}"})
+    assert done.returncode != 0
+    assert "running under mpiexec (REFIMPL_MPI=1 is set) but mpi4py cannot start MPI" in done.stderr
+    assert "pip install mpich" in done.stderr
+
+
+# -- mesh -----------------------------------------------------------------------------------------------
+
+
+class StubWorld:
+    """Enough of a Comm for Mesh's arithmetic: a rank in a world of `size` (split returns a marker)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def split(self, color, key=None):
+        return ("split", color, key)
+
+
+def test_mesh_layout_is_pipeline_contiguous():
+    mesh = Mesh(StubWorld(rank=4, size=6), dp=2, pp=3)
+    assert (mesh.dp_index, mesh.pp_index) == (1, 1)
+    assert [mesh.rank_of(1, p) for p in range(3)] == [3, 4, 5]  # one pipeline: contiguous ranks
+    assert [mesh.rank_of(d, 1) for d in range(2)] == [1, 4]  # one stage's replicas: stride pp
+    assert mesh.dp_comm == ("split", 1, 1) and mesh.pp_comm == ("split", 1, 1)
+    assert all(mesh.rank_of(*mesh.coords_of(r)) == r for r in range(6))
+    assert Mesh(StubWorld(0, 6), pp=2).dp == 3 and Mesh(StubWorld(0, 6), dp=2).pp == 3
+    assert (Mesh(StubWorld(0, 6), dp=None, pp=None).dp, Mesh(StubWorld(0, 6)).pp) == (6, 1)
+
+
+@pytest.mark.parametrize("dp, pp, message", [
+    (2, 2, "mesh: dp=2 x pp=2 needs 4 ranks, but the world has 6; launch mpiexec -n 4, or choose dp * pp = 6"),
+    (None, 4, "mesh: pp=4 does not divide the world size 6"),
+    (4, None, "mesh: dp=4 does not divide the world size 6"),
+    (0, 1, "mesh: dp must be a positive integer"),
+    (2, 1.5, "mesh: pp must be a positive integer"),
+])
+def test_mesh_errors(dp, pp, message):
+    with pytest.raises(ValueError, match=message.replace("*", r"\*").replace("(", r"\(")):
+        Mesh(StubWorld(0, 6), dp=dp, pp=pp)
+
+
+def test_mesh_coordinates_out_of_range():
+    mesh = Mesh(commlib.LocalComm())
+    with pytest.raises(ValueError, match="outside the 1 x 1 grid"):
+        mesh.rank_of(1, 0)
+
+
+# -- thread budget and failure messages ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cores, ranks, threads_", [(2, 2, 1), (2, 4, 1), (16, 4, 4), (16, 3, 5), (8, 1, 8)])
+def test_thread_budget_divides_cores_between_ranks(cores, ranks, threads_):
+    budget = threads.choose(cores, ranks, environ={})
+    assert budget.threads == threads_ and budget.local_ranks == ranks
+
+
+def test_thread_budget_respects_the_user():
+    budget = threads.choose(16, 4, environ={"OPENBLAS_NUM_THREADS": "3"})
+    assert budget.threads is None and "OPENBLAS_NUM_THREADS=3" in budget.reason
+
+
+def test_failure_messages():
+    try:
+        raise RuntimeError("disk\nfull")
+    except RuntimeError as exc:
+        text = failure.report(2, exc, exc.__traceback__)
+    lines = text.splitlines()
+    assert lines[0] == "[rank 2] Traceback (most recent call last):"
+    assert lines[-1] == "[rank 2] RuntimeError: disk full" and all(line.startswith("[rank 2] ") for line in lines)
+    assert failure.report(0, ValueError("batch 10 over 3 ranks")) == "[rank 0] ValueError: batch 10 over 3 ranks\n"
+    assert failure.exit_code(ValueError()) == 2 and failure.exit_code(KeyError()) == 1
+    assert failure.exit_code(KeyboardInterrupt()) == 130
+
+
+def test_mpi_util_finds_the_environment_mpiexec():
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    assert mpiexec.endswith("mpiexec")
+    env = clean_env({"PMI_RANK": None, "EXTRA": 1})
+    assert env["EXTRA"] == "1" and not any(k.startswith("PMI_") for k in env)
+    assert sys.executable  # the helper launches this same interpreter
