@@ -53,6 +53,9 @@ class TrainConfig:
     clip: float = 1.0
     dropout: float = 0.0
     grad_accum: int = 1
+    collectives: str = "mpi"
+    dp_mode: str = "bucketed"
+    bucket_bytes: int = 1 << 20
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -150,12 +153,47 @@ def evaluate(model, task) -> tuple[float, float]:
     return loss, accuracy(backend.to_host(logits.data), y)
 
 
-def train(cfg: TrainConfig, progress: bool = True) -> dict:
+def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None = None):
+    """The trainer for this run: LocalTrainer in one process, DataParallelTrainer over `world`.
+
+    distributed=None chooses by the world's size; verify forces True so that even a world of one
+    process runs the distributed code path.
+    """
+    optimizer = build_optimizer(cfg, model.parameters())
+    if world is None or (distributed is None and world.size == 1) or distributed is False:
+        return LocalTrainer(model, optimizer, cfg.grad_accum, cfg.clip)
+    from refimpl.parallel.data_parallel import DataParallelTrainer  # noqa: PLC0415
+
+    return DataParallelTrainer(model, optimizer, world, cfg.grad_accum, cfg.clip, cfg.dp_mode, cfg.bucket_bytes)
+
+
+def get_world(cfg: TrainConfig):
+    """The world communicator (a one-process LocalComm unless launched by mpiexec; no MPI import then)."""
+    from refimpl.parallel.comm import get_world as world_of  # noqa: PLC0415 - imports no MPI by itself
+
+    return world_of(cfg.collectives)
+
+
+def check_same_config(world, cfg: TrainConfig) -> None:
+    """Every rank must run the same configuration: a clear error on every rank otherwise."""
+    if world.size == 1:
+        return
+    configs = world.allgather_object(asdict(cfg))
+    differing = sorted(k for k in configs[0] if any(c[k] != configs[0][k] for c in configs))
+    if differing:
+        raise ValueError("ranks were launched with different flags: " + ", ".join(
+            f"{k} = {[c[k] for c in configs]} (by rank)" for k in differing))
+
+
+def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     """Train as configured; return the summary printed by --json."""
     cfg.check()
     task = build_task(cfg)
     model = build_model(cfg, task)
-    trainer = LocalTrainer(model, build_optimizer(cfg, model.parameters()), cfg.grad_accum, cfg.clip)
+    if world is not None:
+        check_same_config(world, cfg)
+    trainer = make_trainer(cfg, model, world)
+    progress = progress and trainer.rank == 0
     bar = Progress(cfg.steps, label=f"train {cfg.model}", enabled=progress)
     saved_tensors.reset_peak()
     peak_activation_bytes = 0
@@ -184,9 +222,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         "tokens_per_s": tokens / elapsed if cfg.model == "gpt" else None,
         "peak_activation_bytes": peak_activation_bytes,
         "n_params": model.num_parameters(),
-        "world_size": 1,
+        "world_size": trainer.world_size,
         "config": asdict(cfg),
     }
+    summary.update(trainer.report())
+    if world is not None:
+        summary["bytes_sent"] = world.counters_by_rank()  # per rank, by kind of call
     summary["_model"] = model
     return summary
 
@@ -208,7 +249,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (per rank)")
+    p.add_argument("--collectives", choices=("mpi", "ring"), default="mpi",
+                   help="MPI's built-in collectives, or the textbook ring algorithms of ring.py")
+    p.add_argument("--dp-mode", choices=("bucketed", "naive"), default="bucketed",
+                   help="data parallelism: overlapped bucket all-reduces, or one all-reduce per gradient")
+    p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="gradient bucket size in bytes (default 1 MiB)")
     p.add_argument("--backend", choices=backend.BACKENDS, default=None,
                    help="array module (default numpy, or $REFIMPL_BACKEND)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
@@ -229,8 +275,12 @@ def run(args) -> int:
     if args.backend is not None:
         backend.set_backend(args.backend)
     cfg = config_from_args(args)
-    summary = train(cfg, progress=True)
+    cfg.check()
+    world = get_world(cfg)
+    summary = train(cfg, progress=True, world=world)
     summary.pop("_model")
+    if world.rank != 0:
+        return 0
     speed = f"{summary['tokens_per_s']:.0f} tokens/s" if cfg.model == "gpt" else f"{summary['samples_per_s']:.0f} samples/s"
     log(f"done: {cfg.steps} steps in {summary['seconds']:.1f}s ({speed}); final loss {summary['final_loss']:.4f}, "
         f"held-out accuracy {100 * summary['accuracy']:.1f}%, {summary['n_params']} parameters, "

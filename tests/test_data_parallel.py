@@ -1,0 +1,113 @@
+"""Data parallelism and verify: equal to single-process training, exact byte counts, clear errors."""
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mpi_util import last_json, run_mpi, run_mpi_json
+
+pytestmark = pytest.mark.mpi
+
+
+@st.composite
+def dp_configs(draw):
+    world = draw(st.integers(1, 4))
+    model = draw(st.sampled_from(["mlp", "gpt"]))
+    accum = draw(st.integers(1, 3))
+    batch = world * accum * draw(st.integers(1, 3))
+    bucket = draw(st.sampled_from([64, 1000, 1 << 20]))
+    mode = draw(st.sampled_from(["bucketed", "naive"]))
+    collectives = draw(st.sampled_from(["mpi", "ring"]))
+    return world, ["--model", model, "--batch-size", batch, "--grad-accum", accum, "--bucket-bytes", bucket,
+                   "--dp-mode", mode, "--collectives", collectives]
+
+
+@given(dp_configs())
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_verify_data_parallel_equals_single_process(example):
+    world, flags = example
+    small = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len", "8"]
+    result = run_mpi_json(world, ["-m", "refimpl", "verify", "--dtype", "float64", "--steps", "2", *small, *flags,
+                                  "--json"], timeout=180)
+    assert result["ok"] is True and result["world_size"] == world and result["steps"] == 2
+    assert all(step["ok"] for step in result["per_step"]) and result["max_abs_diff"] < 1e-11
+    assert result["trainer"] == "DataParallelTrainer"
+
+
+@pytest.mark.parametrize("collectives", ["mpi", "ring"])
+def test_allreduce_bytes_equal_the_ring_formula(collectives):
+    # N = 2: every all-reduce of L elements sends exactly L elements per rank, 2L(N-1)/N,
+    # whatever L is. MLP 2 -> 8 -> 3: Ψ = 2*8 + 8 + 8*3 + 3 = 51 parameters, float64.
+    steps, psi = 3, 51
+    flags = ["-m", "refimpl", "train", "--model", "mlp", "--d-model", "8", "--n-layer", "1", "--dtype", "float64",
+             "--steps", str(steps), "--batch-size", "8", "--collectives", collectives, "--json"]
+    for mode, grad_accum in (("naive", 1), ("bucketed", 1), ("bucketed", 4)):
+        summary = run_mpi_json(2, flags + ["--dp-mode", mode, "--grad-accum", str(grad_accum)])
+        assert summary["n_params"] == psi
+        for rank_counts in summary["bytes_sent"]:
+            # gradients once per step whatever the accumulation, plus one float64 for the step's loss
+            assert rank_counts["allreduce"]["bytes"] == steps * (psi + 1) * 8
+            calls = steps * ((4 if mode == "naive" else 1) + 1)  # 4 parameters, or one bucket; + the loss
+            assert rank_counts["allreduce"]["calls"] == calls
+
+
+def test_allreduce_bytes_at_four_ranks_divisible_case():
+    # N = 4, a GPT whose Ψ = 3792 parameters is divisible by 4, one bucket: 2Ψ(N-1)/N = 5688 elements
+    # per step, plus the step's loss: one float64, whose ring all-reduce sends 2·1 − count_r − count_(r+1)
+    # elements (block 0 holds it: count_0 = 1, the others 0).
+    flags = ["-m", "refimpl", "train", "--model", "gpt", "--d-model", "16", "--n-layer", "1", "--n-head", "2",
+             "--seq-len", "8", "--dtype", "float64", "--steps", "2", "--batch-size", "8", "--json"]
+    summary = run_mpi_json(4, flags)
+    psi = summary["n_params"]
+    assert psi == 3792
+    loss_elements = [2 - (r == 0) - ((r + 1) % 4 == 0) for r in range(4)]
+    for r, counts in enumerate(summary["bytes_sent"]):
+        assert counts["allreduce"]["bytes"] == 2 * (2 * psi * 3 // 4 + loss_elements[r]) * 8
+
+
+def test_train_under_mpiexec_learns_and_reports_world_size():
+    summary = run_mpi_json(2, ["-m", "refimpl", "train", "--model", "mlp", "--steps", "300", "--json"])
+    assert summary["world_size"] == 2 and summary["accuracy"] > 0.9
+    assert len(summary["bytes_sent"]) == 2
+
+
+def test_a_batch_that_cannot_be_split_is_a_clear_error_on_every_rank():
+    done = run_mpi(3, ["-m", "refimpl", "train", "--model", "mlp", "--batch-size", "10", "--steps", "2"], timeout=60)
+    assert done.returncode != 0
+    assert "cannot be split into 3 equal data-parallel ranks" in done.stderr
+
+
+def test_mismatched_flags_between_ranks_are_a_clear_error(tmp_path):
+    # rank-dependent flags: a wrapper script passes a different --lr on rank 1
+    script = tmp_path / "mismatch.py"
+    script.write_text(
+        "import os, sys\n"
+        "from refimpl.cli import main\n"
+        "rank = int(os.environ.get('PMI_RANK', '0'))\n"
+        "sys.exit(main(['train', '--model', 'mlp', '--steps', '2', '--lr', str(0.01 * (rank + 1))]))\n")
+    done = run_mpi(2, [script], timeout=60)
+    assert done.returncode != 0
+    assert "ranks were launched with different flags: lr = [0.01, 0.02] (by rank)" in done.stderr
+
+
+def test_verify_fails_loudly_when_the_distributed_run_is_wrong(tmp_path):
+    # Break data parallelism on purpose (average instead of sum): verify must exit 1 and say FAIL.
+    script = tmp_path / "broken.py"
+    script.write_text(
+        "import sys\n"
+        "from refimpl.parallel import data_parallel\n"
+        "original = data_parallel.DataParallelTrainer.step\n"
+        "def step(self, x, y):\n"
+        "    loss = original(self, x, y)\n"
+        "    for p in self.model.parameters():\n"
+        "        p.data *= 1.0 + 1e-6  # a tiny, systematic error\n"
+        "    return loss\n"
+        "data_parallel.DataParallelTrainer.step = step\n"
+        "from refimpl.cli import main\n"
+        "sys.exit(main(['verify', '--model', 'mlp', '--dtype', 'float64', '--json']))\n")
+    done = run_mpi(2, [script], timeout=60)
+    assert done.returncode == 1
+    assert last_json(done)["ok"] is False and "verify FAIL" in done.stderr
+    json.dumps(last_json(done))  # the summary is plain JSON
