@@ -159,3 +159,22 @@ def test_seeded_initialisation_is_identical_and_tied_weights_listed_once():
     assert all(np.array_equal(p.data, q.data) for p, q in zip(a.parameters(), b.parameters()))
     tied = GPT(GPTConfig(vocab_size=10, seq_len=8, n_layer=2, n_head=2, d_model=16, tie_weights=True))
     assert tied.num_parameters() == a.num_parameters() - 10 * 16
+
+
+def test_float16_is_storage_ops_compute_in_float32():
+    rng = np.random.default_rng(0)
+    w16 = Parameter(rng.standard_normal((4, 3)).astype(np.float16))
+    x = Tensor(rng.standard_normal((2, 3)).astype(np.float32), requires_grad=True)
+    base = saved_tensors.live_bytes
+    y = F.linear(x, w16).tanh()
+    assert y.dtype == np.float32
+    # the float32 copy of the float16 weight is parameter data, not an activation
+    assert saved_tensors.live_bytes - base == x.data.nbytes + y.data.nbytes
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    y.backward(g)
+    w32 = Parameter(w16.data.astype(np.float32))
+    x32 = Tensor(x.data, requires_grad=True)
+    F.linear(x32, w32).tanh().backward(g)
+    assert w16.grad.dtype == np.float16
+    assert np.array_equal(w16.grad, w32.grad.astype(np.float16))
+    assert np.array_equal(x.grad, x32.grad)

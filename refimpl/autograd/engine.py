@@ -75,6 +75,8 @@ class _LeafAccumulator:
                 self._finish(leaf, total)
 
     def _finish(self, leaf: Tensor, total) -> None:
+        if total.dtype != leaf.dtype:  # a float16 leaf's gradient was computed in float32
+            total = total.astype(leaf.dtype)
         for hook in leaf._hooks:
             replaced = hook(total)
             if replaced is not None:

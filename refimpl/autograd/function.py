@@ -13,12 +13,21 @@ equal a full backward bit for bit.
 
 Positional arguments that are Tensors are the differentiable inputs; other positional arguments
 (Python scalars, index arrays) are constants; keyword arguments are options.
+
+Mixed precision: float16 is a storage type. A float16 input is converted to float32 before forward,
+so every operation computes (and outputs) float32; the engine casts a leaf's gradient back to the
+leaf's dtype when it accumulates it (float16 parameters get float16 gradients).
 """
 
 from __future__ import annotations
 
 from . import grad_mode
 from .saved import saved_tensors
+
+
+def _compute_array(array):
+    """float16 is a storage type: operations compute in float32 (NumPy has no fast float16 matmul)."""
+    return array.astype("float32") if array.dtype == "float16" else array
 
 
 class Function:
@@ -65,9 +74,9 @@ class Function:
         fn = cls()
         fn.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         fn._recording = grad_mode.is_enabled() and any(fn.needs_input_grad)
+        arrays = [_compute_array(a.data) if isinstance(a, Tensor) else a for a in args]
         if fn._recording:
-            fn._param_ids = frozenset(id(a.data) for a in args if isinstance(a, Parameter))
-        arrays = [a.data if isinstance(a, Tensor) else a for a in args]
+            fn._param_ids = frozenset(id(x) for a, x in zip(args, arrays) if isinstance(a, Parameter))
         out = fn.forward(*arrays, **options)
         outs = out if isinstance(out, tuple) else (out,)
         if not fn._recording:
