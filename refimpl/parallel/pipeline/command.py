@@ -166,23 +166,29 @@ def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
     return "\n".join(lines)
 
 
-def describe(schedule: Schedule, report: Report, timeline: Timeline, closed: ClosedForm, markdown: bool) -> str:
+def describe(
+    schedule: Schedule, report: Report, timeline: Timeline, closed: ClosedForm, markdown: bool, picture: bool = True
+) -> str:
     c = timeline.costs
     costs = ", ".join(f"{k}={_fmt(v)}" for k, v in c.as_dict().items())
     exact = "exact" if closed.exact else "not exact here"
-    picture = render_text(timeline)
     lines = [
         f"{schedule.name}: pp={schedule.pp} ranks, {schedule.micro_batches} micro-batches, "
         f"{schedule.num_stages} stages; action costs {costs}; latency {_fmt(timeline.latency)}",
         "",
-        f"```\n{picture}\n```" if markdown else picture,
-        "",
+    ]
+    if picture:
+        grid = render_text(timeline)
+        lines += [f"```\n{grid}\n```" if markdown else grid, ""]
+    bullet = "- " if markdown else ""
+    lines += [
         rank_table(schedule, timeline, closed, markdown),
         "",
-        f"makespan {_fmt(timeline.makespan)}, bubble fraction {float(timeline.bubble_fraction):.4f}"
+        f"{bullet}makespan {_fmt(timeline.makespan)}, bubble fraction {float(timeline.bubble_fraction):.4f}"
         + (f" (published: {float(closed.bubble_fraction):.4f})" if closed.bubble_fraction is not None else ""),
-        f"closed form {closed.formula} = {_fmt(closed.idle)} per rank, {closed.accounting} accounting, {exact}: {closed.note}",
-        f"validated: {report.actions} actions, {report.messages} messages; rendezvous run completes with "
+        f"{bullet}closed form {closed.formula} = {_fmt(closed.idle)} per rank, {closed.accounting} accounting, "
+        f"{exact}: {closed.note}",
+        f"{bullet}validated: {report.actions} actions, {report.messages} messages; rendezvous run completes with "
         f"receives pre-posted {report.rendezvous_lookahead} step(s) ahead"
         + ("; or with one receive per (source, kind) channel" if report.per_channel_ok else ""),
     ]
@@ -195,14 +201,17 @@ def describe(schedule: Schedule, report: Report, timeline: Timeline, closed: Clo
 
 
 def compare(args, costs: Costs) -> tuple[str, list[dict]]:
-    header = ["schedule", "stages", "makespan", "bubble", "idle per rank", "steady-state idle", "closed form", "peak act.", "act. memory", "params"]
+    header = [
+        "schedule", "stages", "makespan", "bubble", "idle per rank", "steady-state idle",
+        "closed form", "peak act.", "act. memory", "params", "lookahead",
+    ]
     rows, results = [], []
     for name in SCHEDULES:
         chunks = args.chunks if name == "interleaved" else None
         try:
             schedule, report, timeline, closed = analyse(name, args.pp, args.micro_batches, chunks, costs, args.costs_per_action, args.latency)
         except ValueError as exc:
-            rows.append([name, "-", "-", "-", f"n/a: {exc}", "-", "-", "-", "-", "-"])
+            rows.append([name, "-", "-", "-", f"n/a: {exc}", *["-"] * 6])
             results.append({"schedule": name, "error": str(exc)})
             continue
         info = summary(schedule, report, timeline, closed)
@@ -222,6 +231,7 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
                 str(max(timeline.peak_activations)),
                 _fmt(max(Fraction(x * args.pp, schedule.num_stages) for x in timeline.peak_activations)),
                 _fmt(max(Fraction(len(schedule.placement.stages_of(r)) * args.pp, schedule.num_stages) for r in range(args.pp))),
+                str(report.rendezvous_lookahead),
             ]
         )
     return _table(header, rows, args.markdown), results
@@ -231,7 +241,8 @@ COMPARE_LEGEND = (
     "makespan and idle in the units of --costs (per 1/pp of the model); bubble = idle / (pp * makespan); "
     "closed form: published idle per rank ('~' = not exact for these costs, see docs); "
     "peak act. = most (stage, micro-batch) activations held by one rank (freed at W); "
-    "act. memory and params in units of one 1F1B rank's (1/pp of the model)"
+    "act. memory and params in units of one 1F1B rank's (1/pp of the model); "
+    "lookahead = steps of receives an executor must pre-post for a rendezvous run (validate.py)"
 )
 
 
@@ -288,7 +299,7 @@ def run(args) -> int:
         )
         emit_json(info)
         return 0
-    text = describe(schedule, report, timeline, closed, args.markdown)
+    text = describe(schedule, report, timeline, closed, args.markdown, picture=render == "text")
     if args.program:
         program = "\n".join(f"rank {r}: {format_rank(steps)}" for r, steps in enumerate(schedule.ranks))
         text += "\n\n" + ("```\n" + program + "\n```" if args.markdown else program)

@@ -83,13 +83,13 @@ def closed_form(schedule: Schedule, costs: Costs, latency=0) -> ClosedForm:
         return ClosedForm("(p-1)(F+I-2W)", idle, "steady-state", exact, note, single if exact else None, None, peak)
     if name == "zbv":
         exact = zero_latency and m >= 2 * p - 1 and F == I == W
-        idle = (p - 1) * (F + I - 2 * W)
         note = (
             "the paper's zero bubble at F = I = W, steady state; one iteration costs (p-1)F there; "
-            "other costs: approximate (the handcrafted order is tuned for F = I = W)"
+            "other costs: no closed form (the handcrafted order is tuned for F = I = W)"
         )
         peak = [2 * p] * p if m >= 2 * p - 1 else None
-        return ClosedForm("0 at F=I=W", idle if exact else max(Fraction(0), idle), "steady-state", exact, note, (p - 1) * F if exact else None, None, peak)
+        single = (p - 1) * F if exact else None
+        return ClosedForm("0 when F=I=W", Fraction(0), "steady-state", exact, note, single, None, peak)
     if name in ("dualpipe", "dualpipev"):
         stages = schedule.num_stages
         idle = (Fraction(stages, 2) - 1) * (FB + B - 3 * W)
