@@ -178,3 +178,15 @@ def test_float16_is_storage_ops_compute_in_float32():
     assert w16.grad.dtype == np.float16
     assert np.array_equal(w16.grad, w32.grad.astype(np.float16))
     assert np.array_equal(x.grad, x32.grad)
+
+
+def test_saved_parameters_are_read_at_backward_time():
+    # ZeRO-3 frees a module's gathered weights after forward and gathers them again for backward
+    w = Parameter(np.full((2, 3), 2.0))
+    x = Tensor(np.ones((1, 3)), requires_grad=True)
+    out = F.linear(x, w)
+    gathered = w.data
+    w.data = np.zeros(0)  # "freed": nothing saved pins the gathered array
+    w.data = gathered * 5.0  # "gathered again" (deliberately different, to prove it is read now)
+    out.sum().backward()
+    assert np.array_equal(x.grad, np.full((1, 3), 20.0))

@@ -14,6 +14,11 @@ equal a full backward bit for bit.
 Positional arguments that are Tensors are the differentiable inputs; other positional arguments
 (Python scalars, index arrays) are constants; keyword arguments are options.
 
+Saved parameters are not pinned: save_for_backward keeps a reference to the Parameter, and
+`saved` reads its data when backward runs. ZeRO-3 relies on it (gather a module's weights for its
+backward, free them after); it also means weights must not change between a forward and its
+backward (optimizers step only after backward).
+
 Mixed precision: float16 is a storage type. A float16 input is converted to float32 before forward,
 so every operation computes (and outputs) float32; the engine casts a leaf's gradient back to the
 leaf's dtype when it accumulates it (float16 parameters get float16 gradients).
@@ -30,17 +35,30 @@ def _compute_array(array):
     return array.astype("float32") if array.dtype == "float16" else array
 
 
+class _ParameterRef:
+    """A saved Parameter: its data is looked up at backward time, so a sharded-parameter scheme
+    (ZeRO-3) may free the array after forward and gather it again before backward."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param) -> None:
+        self.param = param
+
+    def data(self):
+        return _compute_array(self.param.data)
+
+
 class Function:
     """Base class of every operation recorded by the autograd engine."""
 
     def __init__(self) -> None:
         self.inputs: tuple = ()  # the positional arguments (Tensors and constants)
         self.needs_input_grad: tuple = ()  # which inputs require grad (forward may save less)
-        self.saved: tuple = ()  # what forward saved for backward
+        self._saved: tuple | None = ()  # what forward saved for backward (see `saved`)
         self.output_meta: list = []  # (shape, dtype) of each output
         self.output_hooks: dict[int, list] = {}  # output index -> gradient hooks (Tensor.register_hook)
         self._recording = False
-        self._param_ids: frozenset = frozenset()
+        self._param_of: dict = {}  # id(array given to forward) -> the Parameter it came from
         self._counted: list = []
 
     # --- called by subclasses -------------------------------------------------------------
@@ -48,11 +66,24 @@ class Function:
         """Keep `arrays` until backward; counted by the saved-tensor ledger unless parameters."""
         if not self._recording:
             return
-        self.saved = arrays
+        kept = []
         for array in arrays:
-            if array is not None and hasattr(array, "nbytes") and id(array) not in self._param_ids:
-                saved_tensors.add(array)
-                self._counted.append(array)
+            param = self._param_of.get(id(array)) if array is not None else None
+            if param is not None:
+                kept.append(_ParameterRef(param))  # not pinned: read again at backward time
+            else:
+                kept.append(array)
+                if array is not None and hasattr(array, "nbytes"):
+                    saved_tensors.add(array)
+                    self._counted.append(array)
+        self._saved = tuple(kept)
+
+    @property
+    def saved(self):
+        """What forward saved; a saved Parameter is read (its current data) now, at backward time."""
+        if self._saved is None:
+            return None
+        return tuple(x.data() if isinstance(x, _ParameterRef) else x for x in self._saved)
 
     # --- called by the engine ---------------------------------------------------------------
     def release(self) -> None:
@@ -60,7 +91,7 @@ class Function:
         for array in self._counted:
             saved_tensors.remove(array)
         self._counted = []
-        self.saved = None
+        self._saved = None
 
     @property
     def name(self) -> str:
@@ -76,7 +107,7 @@ class Function:
         fn._recording = grad_mode.is_enabled() and any(fn.needs_input_grad)
         arrays = [_compute_array(a.data) if isinstance(a, Tensor) else a for a in args]
         if fn._recording:
-            fn._param_ids = frozenset(id(x) for a, x in zip(args, arrays) if isinstance(a, Parameter))
+            fn._param_of = {id(x): a for a, x in zip(args, arrays) if isinstance(a, Parameter)}
         out = fn.forward(*arrays, **options)
         outs = out if isinstance(out, tuple) else (out,)
         if not fn._recording:
