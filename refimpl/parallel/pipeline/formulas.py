@@ -23,7 +23,8 @@ on a line of p ranks has less idle than that in single-iteration accounting.
 Peak activations per rank ((stage, micro-batch) activations, freed at W):
 gpipe m; 1f1b min(p-r, m); interleaved min(2(p-r-1) + (v-1)p + 1, vm) (vm when m = p);
 zb1p p (m >= p); zbh2 2p-1 (m >= 2p-1); zbv 2p (m >= 2p-1); dualpipe p+1; dualpipev 2p+1.
-A positive point-to-point latency makes every closed form a lower bound, not an exact value.
+A positive point-to-point latency only adds idle time, so an exact closed form becomes a lower
+bound.
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ def closed_form(schedule: Schedule, costs: Costs, latency=0) -> ClosedForm:
         stages = schedule.num_stages
         idle = (Fraction(stages, 2) - 1) * (FB + B - 3 * W)
         exact = zero_latency and balanced
-        note = "exact at F = I = W, B = 2F, F&B = F+B; with other costs the ranks differ and the formula is only indicative"
+        note = (
+            f"PP = {stages} stages; exact at F = I = W, B = 2F, F&B = F+B; with other costs the ranks "
+            "can differ and the formula is only indicative"
+        )
         peak = [stages + 1] * p
-        formula = "(PP/2-1)(F&B+B-3W), PP = " + str(stages)
+        formula = "(PP/2-1)(F&B+B-3W)"
         return ClosedForm(formula, idle, "iteration", exact, note, idle if exact else None, None, peak)
     raise ValueError(f"no closed form for schedule {name!r}")

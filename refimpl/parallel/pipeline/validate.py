@@ -135,7 +135,7 @@ def _check_pairing(schedule: Schedule, plan) -> tuple[int, bool]:
 
 def rendezvous_run(schedule: Schedule, lookahead: int = 0, per_channel: bool = False, plan=None) -> int:
     """Run the lists with rendezvous sends under a receive-posting policy (module docstring).
-    Returns the number of rounds; raises ScheduleError naming what every blocked rank waits for
+    Returns the number of sweeps over the ranks; raises ScheduleError naming what every blocked rank waits for
     on deadlock."""
     plan = plan if plan is not None else _plan(schedule)
     n = schedule.pp
@@ -173,21 +173,20 @@ def rendezvous_run(schedule: Schedule, lookahead: int = 0, per_channel: bool = F
     def finished(rank: int) -> bool:
         return position[rank] > len(plan[rank])
 
-    rounds = 0
+    sweeps = 0
     while not all(finished(r) for r in range(n)):
-        rounds += 1
-        for r in range(n):  # every unfinished rank posts its current batch (idempotent)
-            if not finished(r):
+        # Posting only ever adds requests, so a wait that can complete stays completable: the
+        # order in which ranks are visited changes nothing, and each rank runs as far as it can.
+        sweeps += 1
+        progressed = False
+        for r in range(n):
+            while not finished(r):
                 sends, recvs = wants(r)
                 posted_sends.update(sends)
                 posted_recvs.update(recvs)
                 pre_post(r)
-        progressed = False
-        for r in range(n):
-            if finished(r):
-                continue
-            sends, recvs = wants(r)
-            if all(m in posted_recvs for m in sends) and all(m in posted_sends for m in recvs):
+                if not (all(m in posted_recvs for m in sends) and all(m in posted_sends for m in recvs)):
+                    break
                 position[r] += 1  # the wait completes; the step (if any) runs
                 progressed = True
         if not progressed:
@@ -202,7 +201,7 @@ def rendezvous_run(schedule: Schedule, lookahead: int = 0, per_channel: bool = F
                 lines.append(f"rank {r} before {at}: {'; '.join(blocked)}")
             policy = "one receive per channel" if per_channel else f"lookahead {lookahead}"
             raise ScheduleError(f"{schedule.name}: rendezvous deadlock ({policy}): " + " | ".join(lines))
-    return rounds
+    return sweeps
 
 
 def completes(schedule: Schedule, lookahead: int = 0, per_channel: bool = False, plan=None) -> bool:
@@ -214,15 +213,17 @@ def completes(schedule: Schedule, lookahead: int = 0, per_channel: bool = False,
 
 
 def minimal_lookahead(schedule: Schedule, plan=None) -> int:
-    """Smallest lookahead whose rendezvous run completes (binary search: pre-posting more
-    receives never makes a run worse). Raises the lookahead-0 deadlock if even pre-posting
-    every receive does not help, which means the dependencies themselves form a cycle."""
+    """Smallest lookahead whose rendezvous run completes. Pre-posting more receives never makes
+    a run worse, so: double the lookahead until a run completes, then bisect. Raises the
+    lookahead-0 deadlock if even pre-posting every receive does not help, which means the
+    dependencies themselves form a cycle."""
     plan = plan if plan is not None else _plan(schedule)
-    if completes(schedule, 0, plan=plan):
-        return 0
-    low, high = 0, max((len(p) for p in plan), default=0)  # fails at low, completes at high
-    if not completes(schedule, high, plan=plan):
-        rendezvous_run(schedule, 0, plan=plan)  # raises the informative lookahead-0 error
+    longest = max((len(p) for p in plan), default=0)
+    low, high = -1, 0  # fails at low (-1: nothing tried), try high
+    while not completes(schedule, high, plan=plan):
+        if high >= longest:
+            rendezvous_run(schedule, 0, plan=plan)  # raises the informative lookahead-0 error
+        low, high = high, min(longest, max(1, 2 * high))
     while high - low > 1:
         mid = (low + high) // 2
         if completes(schedule, mid, plan=plan):
