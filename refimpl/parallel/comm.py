@@ -248,16 +248,16 @@ class Comm:
 
     def _flat(self, array, name: str, writable: bool):
         """The flat view (L,) of a contiguous numeric array, or one clear ValueError."""
-        xp = backend.xp()
-        if not isinstance(array, (np.ndarray, xp.ndarray)):
-            raise ValueError(f"{name} must be a {xp.__name__} array, not {type(array).__name__}")
-        if not array.flags.c_contiguous:
+        if type(array) is not np.ndarray and not isinstance(array, (np.ndarray, backend.xp().ndarray)):
+            raise ValueError(f"{name} must be a {backend.xp().__name__} array, not {type(array).__name__}")
+        flags = array.flags
+        if not flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (MPI sends raw memory); pass ascontiguousarray(...)")
         if array.dtype.kind not in "fiu":
             raise ValueError(f"{name} has dtype {array.dtype}; collectives need a float or integer dtype")
-        if writable and not getattr(array.flags, "writeable", True):
+        if writable and not getattr(flags, "writeable", True):
             raise ValueError(f"{name} is read-only, but it receives data")
-        return array.reshape(-1)
+        return array if array.ndim == 1 else array.reshape(-1)
 
     def _check_rank(self, rank: int, name: str) -> None:
         if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.size):
@@ -279,10 +279,10 @@ class Comm:
 
     # -- how collectives run: MPI's built-in, or ring.py ------------------------------------------
 
-    def _builtin(self, kind: str, flat, start, blocking: bool, result, root: int = 0):
-        """Count a built-in collective by the ring formula, then start it."""
+    def _builtin(self, kind: str, flat, start, args, blocking: bool, result, root: int = 0):
+        """Count a built-in collective by the ring formula, then start it: start(*args, blocking)."""
         self.counters.record(kind, ring.bytes_sent(kind, flat.size, self.size, self.rank, flat.itemsize, root))
-        raw = start(blocking)
+        raw = start(*args, blocking)
         if blocking:
             return None
         return Request(self, [] if raw is None else [[raw]], result)
@@ -312,7 +312,7 @@ class Comm:
         reduce = _reduce_op(op)
         if self.collectives == "ring":
             return self._ring("allreduce", ring.allreduce, (flat, reduce), blocking, buf)
-        return self._builtin("allreduce", flat, lambda b: self._mpi_allreduce(flat, op, b), blocking, buf)
+        return self._builtin("allreduce", flat, self._mpi_allreduce, (flat, op), blocking, buf)
 
     def reduce_scatter(self, sendbuf, recvbuf=None, op: str = "sum"):
         """recvbuf (count_r,) = this rank's block of sendbuf (L,) reduced over all ranks."""
@@ -336,7 +336,7 @@ class Comm:
         if self.collectives == "ring":
             request = self._ring("reduce_scatter", ring.reduce_scatter, (send, recv, reduce), blocking, recvbuf)
         else:
-            request = self._builtin("reduce_scatter", send, lambda b: self._mpi_reduce_scatter(send, recv, op, b),
+            request = self._builtin("reduce_scatter", send, self._mpi_reduce_scatter, (send, recv, op),
                                     blocking, recvbuf)
         return recvbuf if blocking else request
 
@@ -369,7 +369,7 @@ class Comm:
                 recv[offset : offset + count] = send  # our block in place, then the ring
             request = self._ring("allgather", ring.allgather, (recv,), blocking, recvbuf)
         else:
-            request = self._builtin("allgather", recv, lambda b: self._mpi_allgather(send, recv, b), blocking, recvbuf)
+            request = self._builtin("allgather", recv, self._mpi_allgather, (send, recv), blocking, recvbuf)
         return recvbuf if blocking else request
 
     def bcast(self, buf, root: int = 0):
@@ -386,7 +386,7 @@ class Comm:
         self._check_rank(root, "root")
         if self.collectives == "ring":
             return self._ring("bcast", ring.bcast, (flat, root), blocking, buf)
-        return self._builtin("bcast", flat, lambda b: self._mpi_bcast(flat, root, b), blocking, buf, root)
+        return self._builtin("bcast", flat, self._mpi_bcast, (flat, root), blocking, buf, root)
 
     def barrier(self) -> None:
         """Wait until every rank has reached this call."""
@@ -501,7 +501,7 @@ class MPIComm(Comm):
 
     def _msg(self, array):
         """The one place where arrays are handed to MPI."""
-        if not isinstance(array, np.ndarray):  # a device array: MPI reads it once the GPU is done
+        if type(array) is not np.ndarray and not isinstance(array, np.ndarray):  # a device array: MPI reads it once the GPU is done
             backend.xp().cuda.get_current_stream().synchronize()
         return array
 
