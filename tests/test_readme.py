@@ -13,7 +13,7 @@ def _commands():
 
 def test_readme_opens_with_demo_and_test_commands():
     demo, tests = _commands()[:2]
-    assert "pip install -e ." in demo and "python -m refimpl train" in demo
+    assert "pip install -e '.[mpi]'" in demo and "python -m refimpl train" in demo
     assert "pip install -e '.[test]'" in tests and "pytest" in tests
 
 
