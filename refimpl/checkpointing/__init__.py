@@ -1,0 +1,30 @@
+"""Activation checkpointing: keep fewer activations, recompute them during backward.
+
+Chen, Xu, Zhang and Guestrin, "Training Deep Nets with Sublinear Memory Cost" (arXiv 1604.06174);
+Griewank and Walther, "Algorithm 799: revolve" (ACM TOMS 26(1), 2000). See docs/checkpointing.md.
+
+For a chain of n equal layers, each recorded layer saving R bytes and each layer input A bytes:
+
+    plan          extra layer forwards            peak saved bytes
+    none          0                               n·R
+    every:K       n − K                           (⌈n/K⌉ − 1)·A + K·R
+    sqrt          n − ⌈√n⌉  (every:⌈√n⌉)          ≈ 2√n·A when R = A
+    revolve:C     t(n, C) = r·n − β(C+1, r−1)     at most C·A + R
+    budget:B      fewest extra forwards with peak <= B
+
+    checkpoint(fn, *args)                     one function, recomputed in backward (checkpoint.py)
+    checkpoint_sequential(layers, x, plan)    a chain under a plan (sequential.py)
+    parse_plan, actions_for, resolve_budget   plans (plans.py); revolve's formulas (revolve.py)
+    simulate                                  a schedule's cost from its actions (actions.py)
+    apply_to_gpt, gpt_forward                 the GPT's blocks under a plan (gpt.py)
+    count_forward_calls, measure_chain        exact measurements (measure.py)
+"""
+
+from . import actions, revolve
+from .actions import simulate
+from .checkpoint import checkpoint
+from .plans import LayerCost, actions_for, parse_plan, predicted_cost, resolve_budget
+from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
+
+__all__ = ["checkpoint", "checkpoint_sequential", "parse_plan", "actions_for", "resolve_budget", "resolve_plan",
+           "predicted_cost", "LayerCost", "measure_layer_cost", "simulate", "actions", "revolve"]
