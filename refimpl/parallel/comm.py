@@ -20,6 +20,8 @@ argument checks and the counting; subclasses only move bytes):
     copy or do nothing, point-to-point messages to oneself go through a mailbox, and the
     counters count calls with zero bytes.
 
+Shapes: (L,) a flat buffer of L elements; (count_r,) rank r's block of it; N = size.
+
 Buffers. Every array must be a C-contiguous numeric array of the active backend (refimpl.backend);
 collectives see it as flat, of L elements, whatever its shape. Lengths not divisible by N use
 *counts*, not padding (see ring.py): block b has L // N + (b < L % N) elements, the layout of

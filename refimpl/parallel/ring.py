@@ -45,6 +45,9 @@ each time the request is tested. The `link` argument is the comm's view of the r
 collective call (`comm._RingLink`): `exchange(send, recv)` posts a send to the right and a
 receive from the left, counting the bytes sent under the collective's name.
 
+Shapes in this module: L elements in the flat buffer, N ranks, count_b elements in block b,
+ceil(L/N) the largest block.
+
 What production libraries do differently: NCCL and MPI split each block into pipelined chunks,
 use several rings or trees (double binary trees) across nodes, and pick the algorithm by message
 size; the byte count per rank stays the bandwidth-optimal 2(N-1)/N * L for all-reduce.
