@@ -154,6 +154,8 @@ def allgather(link, buf):
 
 def allreduce(link, buf, reduce):
     """Ring all-reduce in place on buf (L,): reduce-scatter into our block, then all-gather."""
+    if link.size == 1:
+        return  # the reduction over one rank is the buffer itself
     counts = block_counts(buf.size, link.size)
     offset = int(block_offsets(counts)[link.rank])
     own = buf[offset : offset + counts[link.rank]]  # (count_r,) our block, reduced in place
