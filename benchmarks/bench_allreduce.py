@@ -88,7 +88,8 @@ def main() -> None:
             "raw_GBps": buf.nbytes / best["raw"] / 1e9,
             "wrapper_extra_us": (best["wrapper"] - best["raw"]) * 1e6,
             "wrapper_ratio": best["raw"] / best["wrapper"], "ring_ratio": best["raw"] / best["ring"],
-            "median_wrapper_ratio": median["raw"] / median["wrapper"], "median_ring_ratio": median["raw"] / median["ring"],
+            "median_wrapper_ratio": median["raw"] / median["wrapper"],
+            "median_ring_ratio": median["raw"] / median["ring"],
         })
 
     judged = [r["wrapper_ratio"] for r in results if r["bytes"] >= TARGET_FROM_BYTES]
@@ -104,8 +105,8 @@ def main() -> None:
                   f" {'(medians:':>10} {'wrapper':>7} {'ring)':>6}", file=sys.stderr)
             for r in results:
                 print(f"{r['bytes']:>10} {r['raw_s'] * 1e6:>10.1f} {r['raw_GBps']:>9.2f} {r['wrapper_ratio']:>12.3f} "
-                      f"{r['wrapper_extra_us']:>6.1f} {r['ring_ratio']:>9.3f} {'':>10} {r['median_wrapper_ratio']:>7.3f}"
-                      f" {r['median_ring_ratio']:>6.3f}", file=sys.stderr)
+                      f"{r['wrapper_extra_us']:>6.1f} {r['ring_ratio']:>9.3f} {'':>10} "
+                      f"{r['median_wrapper_ratio']:>7.3f} {r['median_ring_ratio']:>6.3f}", file=sys.stderr)
         print(json.dumps(summary))
 
 

@@ -503,7 +503,8 @@ class MPIComm(Comm):
 
     def _msg(self, array):
         """The one place where arrays are handed to MPI."""
-        if type(array) is not np.ndarray and not isinstance(array, np.ndarray):  # a device array: MPI reads it once the GPU is done
+        if type(array) is not np.ndarray and not isinstance(array, np.ndarray):
+            # A device array (CuPy): MPI may read it only once the GPU has finished writing it.
             backend.xp().cuda.get_current_stream().synchronize()
         return array
 

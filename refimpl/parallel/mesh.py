@@ -38,11 +38,13 @@ class Mesh:
             dp, pp = size, 1
         elif dp is None:
             if size % pp:
-                raise ValueError(f"mesh: pp={pp} does not divide the world size {size}; launch a multiple of {pp} ranks")
+                raise ValueError(f"mesh: pp={pp} does not divide the world size {size}; "
+                                 f"launch a multiple of {pp} ranks")
             dp = size // pp
         elif pp is None:
             if size % dp:
-                raise ValueError(f"mesh: dp={dp} does not divide the world size {size}; launch a multiple of {dp} ranks")
+                raise ValueError(f"mesh: dp={dp} does not divide the world size {size}; "
+                                 f"launch a multiple of {dp} ranks")
             pp = size // dp
         if dp * pp != size:
             raise ValueError(f"mesh: dp={dp} x pp={pp} needs {dp * pp} ranks, but the world has {size}; "
