@@ -49,5 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, BackendError) as exc:
+        from refimpl.parallel.comm import existing_world  # noqa: PLC0415 - never creates a world
+
+        world = existing_world()
+        if world is not None and world.size > 1:
+            world.abort(2, f"error: {exc}")  # a rank that stops alone would leave the others waiting
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -111,3 +111,18 @@ def test_verify_fails_loudly_when_the_distributed_run_is_wrong(tmp_path):
     assert done.returncode == 1
     assert last_json(done)["ok"] is False and "verify FAIL" in done.stderr
     json.dumps(last_json(done))  # the summary is plain JSON
+
+
+def test_bad_input_on_one_rank_only_ends_every_rank(tmp_path):
+    # rank 1 fails its argument check while rank 0 waits in a collective: the job must still end
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(
+        "import os, sys\n"
+        "from refimpl.cli import main\n"
+        "from refimpl.parallel.comm import get_world\n"
+        "get_world()\n"
+        "rank = int(os.environ.get('PMI_RANK', '0'))\n"
+        "sys.exit(main(['train', '--model', 'mlp', '--steps', '0' if rank == 1 else '2']))\n")
+    done = run_mpi(2, [script], timeout=60)
+    assert done.returncode != 0
+    assert "[rank 1] error: --steps must be positive, got 0" in done.stderr
