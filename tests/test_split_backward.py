@@ -26,6 +26,23 @@ CASES = {
     "gelu": (lambda x, w: F.gelu(x + w), [(3, 4)], [(4,)]),
     "getitem": (lambda x, w: w[np.array([1, 1, 0])] * x, [(3, 4)], [(2, 4)]),
     "transposed weight": (lambda x, w: x @ w.T, [(3, 4)], [(5, 4)]),
+    # unary and shape ops, each fed by an activation that also depends on a weight
+    "neg": (lambda x, w: -(x * w), [(3, 4)], [(4,)]),
+    "exp": (lambda x, w: (x * w).exp(), [(3, 4)], [(4,)]),
+    "log": (lambda x, w: (x * x + w * w + 1.0).log(), [(3, 4)], [(4,)]),
+    "sqrt": (lambda x, w: (x * x + w * w + 1.0).sqrt(), [(3, 4)], [(4,)]),
+    "tanh": (lambda x, w: (x * w).tanh(), [(3, 4)], [(4,)]),
+    "relu": (lambda x, w: (x * w).relu(), [(3, 4)], [(4,)]),
+    "mean": (lambda x, w: (x * w).mean(axis=0), [(3, 4)], [(4,)]),
+    "reshape+transpose": (lambda x, w: (x * w).reshape(2, 6).transpose(1, 0), [(3, 4)], [(4,)]),
+    "split": (lambda x, w: (x * w).split(2, axis=1)[1] * 3.0, [(3, 4)], [(4,)]),
+    "masked_fill": (lambda x, w: (x * w).masked_fill(np.eye(3, 4, dtype=bool), 0.0), [(3, 4)], [(4,)]),
+    "log_softmax": (lambda x, w: F.log_softmax(x * w), [(3, 4)], [(4,)]),
+    "causal_softmax": (lambda x, w: F.causal_softmax(x * w, np.triu(np.ones((4, 4), bool), 1), 0.5),
+                       [(2, 4, 4)], [(4,)]),
+    "cross_entropy": (lambda x, w: F.cross_entropy(x * w, np.array([1, -100, 3])), [(3, 4)], [(4,)]),
+    "dropout": (lambda x, w: F.dropout(x * w, 0.5, np.random.default_rng(0)), [(3, 4)], [(4,)]),
+    "astype": (lambda x, w: (x * w).astype("float32").astype("float64"), [(3, 4)], [(4,)]),
 }
 
 
