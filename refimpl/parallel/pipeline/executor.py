@@ -1,0 +1,304 @@
+"""The pipeline executor: run one rank's list of steps over MPI, whatever the schedule.
+
+A schedule (schedules/) gives every rank an ordered list of steps; a step is an action F, B, I or
+W of one (stage, micro-batch), or an overlapped pair F&B. The executor is the same loop for all
+eight schedules — a new schedule is a new generator, never executor code:
+
+    post one receive on every incoming channel                       (the channel's first message)
+    for step in schedule.ranks[rank]:
+        for each message the step consumes:  wait for it; post the channel's next receive
+        run the step's actions (F: stage forward; B: backward; I: backward with the weight half
+            deferred; W: the deferred half of an earlier I), then sleep to a fixed cost if asked
+        isend what the step produces (activations forward, input gradients backward)
+    wait for the last sends
+
+What a step does to its data (x_in: a stage's input, a leaf Tensor with requires_grad=True;
+y: its output; g_y: the gradient of y; S stages; mb a micro-batch):
+
+    F(s, mb)   x_in = the micro-batch (s = 0) or the received activation; y = stage_s(x_in);
+               s = S-1: loss_mb = Σ CE(y, targets_mb) / N_batch and y := loss_mb; else send y.
+    B(s, mb)   backward(y, g_y) (g_y received; 1 for the loss): accumulates into the stage's
+               parameters' .grad and leaves g_x = x_in.grad, sent to stage s-1.
+    I(s, mb)   the same with defer_weight_grads=True (refimpl.autograd.engine): g_x only; the
+               parameter half is kept as a WeightGradWork ...
+    W(s, mb)   ... and run here. I then W equals B bit for bit, so every schedule accumulates
+               exactly the gradients of single-process training (summed over micro-batches in a
+               schedule-dependent order: equal up to floating-point round-off).
+
+Messages. `messages_of(placement, action)` lists what an action receives and sends; transfers
+between two stages on the same rank (the turn of a V, DualPipe's two stages) are handed over in
+memory and are not messages. A message travels on a *channel*, one MPI tag per (kind, receiving
+stage, direction):
+
+    tag = (2 · direction + kind) · S + destination stage        kind: 0 activation, 1 gradient
+
+Each stage runs its forwards (and its backwards) in micro-batch order in every schedule here, so
+each channel carries its messages in the order the receiver consumes them, and MPI never lets two
+messages of one (source, tag, communicator) overtake each other. The executor keeps exactly one
+receive posted per channel, always the next message it will take from it; buffers are plain
+arrays whose shape the stage knows in advance (`Stage.input_shape`): mpi4py's buffer API, no
+pickling.
+
+Why this cannot deadlock. Sends never block (isend); the only place a rank waits is for a
+message its next step needs, and that receive is posted. With strict rendezvous semantics (a send
+completes only once the matching receive is posted) a rank could still wait on a peer that waits
+on it; the validator (validate.py, `per_channel=True`) runs every schedule's lists under exactly
+this policy — one pre-posted receive per channel, sends posted after each step, a wait before
+each step — and finds it completes for every schedule (the pipeline's `validate` report field
+`per_channel_ok`); a finer channel than the validator's (source, kind) only posts more receives
+earlier, which never blocks anything. Posting receives only just before each step is not enough:
+DualPipe needs a look-ahead of up to 3 steps at pp = 6 and ZB-V far more (see
+docs/pipeline_schedules.md). One more wait: before the backward of (s, mb) the executor completes
+the send of y(s, mb), so that no backward touches an array MPI may still be reading; the
+gradient that started that backward proves the receiver already has it, so this never blocks.
+
+Timing. Each step's start and end (after its inputs arrived, before its sends) are recorded
+against the clock `t0` of the caller (a barrier just before the run), so that measured idle time —
+makespan minus the sum of the rank's step times — can be set beside the simulator's. With `costs`
+(the sleep-cost mode), each step is padded by a sleep to its fixed cost (F, B, I, W, F&B of
+`simulate.Costs`, in seconds): the run then shows the schedule's own bubble rather than CPU
+contention; a step whose computation alone exceeds its cost is counted in `overruns`.
+
+Production executors differ: F&B really overlaps one micro-batch's communication (all-to-all in
+DualPipe) with the other's computation on separate CUDA streams, messages go over NCCL on GPU
+streams rather than through host MPI, and a stage's output is freed as soon as it is sent
+(Megatron-LM's deallocate_output_tensor). Here F&B runs F then B, and the time it takes is the
+step's cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from refimpl import backend
+from refimpl.autograd import engine
+from refimpl.autograd.saved import saved_tensors
+from refimpl.autograd.tensor import Tensor
+
+from .actions import Action, Message, Overlapped, Schedule, messages_of
+from .render import step_label
+
+KIND_INDEX = {"act": 0, "grad": 1}
+
+
+def channel_tag(message: Message, num_stages: int) -> int:
+    """The MPI tag of a message's channel: (2·direction + kind)·S + destination stage."""
+    return (2 * (message.direction or 0) + KIND_INDEX[message.kind]) * num_stages + message.dst_stage
+
+
+@dataclass
+class StepTime:
+    """One executed step: its label (F3, B0, f5&B1, ...), kind (F, B, I, W, F&B), start, end in seconds."""
+
+    label: str
+    kind: str
+    start: float
+    end: float
+    compute: float  # seconds of real computation inside [start, end] (the rest is the cost sleep)
+
+
+@dataclass
+class RunRecord:
+    """What one run of a rank's program measured."""
+
+    steps: list[StepTime] = field(default_factory=list)
+    loss: float = 0.0  # Σ of this rank's micro-batch losses (last-stage ranks), in the global normalisation
+    activation_bytes: dict = field(default_factory=dict)  # (stage, mb) -> bytes its F saved
+    overruns: int = 0  # steps whose computation took longer than their fixed cost
+
+    @property
+    def busy(self) -> float:
+        return sum(s.end - s.start for s in self.steps)
+
+    @property
+    def end(self) -> float:
+        return self.steps[-1].end if self.steps else 0.0
+
+
+class _Channel:
+    """The receives of one channel, in the order this rank consumes them; the head one is posted."""
+
+    def __init__(self, source: int, tag: int) -> None:
+        self.source, self.tag = source, tag
+        self.queue: deque[Message] = deque()
+        self.request = None
+
+
+class PipelineExecutor:
+    """Runs `schedule.ranks[rank]` over `comm` (the pipeline's communicator) with the given stages.
+
+    stages: {stage index: Stage} for every stage this rank holds (placement.stages_of(rank)).
+    costs:  None (measure the real computation) or a simulate.Costs in seconds (sleep-cost mode).
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, comm, stages: dict, costs=None) -> None:
+        placement = schedule.placement
+        missing = set(placement.stages_of(rank)) - set(stages)
+        if missing:
+            raise ValueError(f"rank {rank} runs stages {sorted(missing)} but was not given them")
+        if comm.size != schedule.pp or comm.rank != rank:
+            raise ValueError(f"the pipeline communicator has rank {comm.rank} of {comm.size}; "
+                             f"the schedule needs rank {rank} of {schedule.pp}")
+        self.schedule, self.rank, self.comm, self.stages = schedule, rank, comm, stages
+        self.costs = costs
+        S = schedule.num_stages
+        # Per step: the messages it consumes and produces (local hand-overs are not messages).
+        self.program = []
+        self.channels: dict[tuple, _Channel] = {}
+        self._channel_of: dict[Message, _Channel] = {}
+        for step in schedule.ranks[rank]:
+            recvs, sends = [], []
+            for action in step.parts:
+                r, s = messages_of(placement, action)
+                recvs += r
+                sends += s
+            self.program.append((step, recvs, sends))
+            for msg in recvs:
+                key = (msg.src, channel_tag(msg, S))
+                channel = self.channels.setdefault(key, _Channel(*key))
+                channel.queue.append(msg)
+                self._channel_of[msg] = channel
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, inputs, loss_fn, x_shape: tuple, t0: float | None = None) -> RunRecord:
+        """Run this rank's program once (one optimizer step's worth of micro-batches).
+
+        inputs(mb)       the micro-batch input (token ids (b, T) or features (b, d)); asked only
+                         by the rank that holds stage 0
+        loss_fn(y, mb)   the micro-batch's loss Tensor (scalar) from the last stage's output
+        x_shape          shape of one micro-batch input: fixes every message's shape
+        t0               the clock value that counts as time 0 (default: now)
+        """
+        xp = backend.xp()
+        clock = time.perf_counter
+        t0 = clock() if t0 is None else t0
+        record = RunRecord()
+        self._inputs, self._loss_fn, self._x_shape, self._record = inputs, loss_fn, tuple(x_shape), record
+        self._inbox: dict[tuple, object] = {}  # (kind, stage, mb) -> array handed to that stage
+        self._outbox: dict[tuple, object] = {}  # (kind, src stage, mb) -> array to send
+        self._kept: dict[tuple, tuple] = {}  # (stage, mb) -> (x_in leaf or None, y or loss)
+        self._work: dict[tuple, object] = {}  # (stage, mb) -> WeightGradWork of its I
+        self._act_sends: dict[tuple, object] = {}  # (stage, mb) -> isend request of y
+        self._other_sends: list = []
+        queues = {key: deque(ch.queue) for key, ch in self.channels.items()}
+        for key, channel in self.channels.items():
+            channel.pending = queues[key]
+            self._post_head(channel, xp)
+
+        for step, recvs, sends in self.program:
+            for msg in recvs:
+                self._take(msg, xp)
+            start = clock()
+            for action in step.parts:
+                self._do(action)
+            compute = clock() - start
+            if self.costs is not None:
+                cost = float(self.costs.of(step))
+                if compute > cost:
+                    record.overruns += 1
+                else:
+                    time.sleep(cost - compute)
+            end = clock()
+            for msg in sends:
+                self._send(msg)
+            kind = "F&B" if isinstance(step, Overlapped) else step.kind
+            record.steps.append(StepTime(step_label(self.schedule, step), kind, start - t0, end - t0, compute))
+            self._other_sends = [r for r in self._other_sends if not r.test()]  # let MPI progress
+        for request in list(self._act_sends.values()) + self._other_sends:
+            request.wait()
+        leftovers = [c for c in self.channels.values() if c.request is not None or c.pending]
+        assert not leftovers and not self._kept and not self._work and not self._inbox, \
+            "the program left messages, activations or weight work behind"
+        return record
+
+    # --- messages ------------------------------------------------------------------------------
+    def _shape_of(self, msg: Message) -> tuple:
+        """An activation entering stage d, or the gradient of stage d's output; d is ours either way."""
+        stage = self.stages[msg.dst_stage]
+        return stage.input_shape(self._x_shape) if msg.kind == "act" else stage.output_shape(self._x_shape)
+
+    def _post_head(self, channel: _Channel, xp) -> None:
+        """Post the receive of the channel's next message (if any)."""
+        channel.request = None
+        if channel.pending:
+            msg = channel.pending[0]
+            buf = xp.empty(self._shape_of(msg), dtype=self.stages[msg.dst_stage].dtype)
+            channel.request = self.comm.irecv(buf, msg.src, channel.tag)
+
+    def _take(self, msg: Message, xp) -> None:
+        channel = self._channel_of[msg]
+        assert channel.pending and channel.pending[0] == msg, f"channel order broken at {msg}"
+        buf = channel.request.wait()
+        channel.pending.popleft()
+        self._post_head(channel, xp)  # keep one receive posted on this channel
+        self._inbox[(msg.kind, msg.dst_stage, msg.mb)] = buf
+
+    def _send(self, msg: Message) -> None:
+        buf = self._outbox.pop((msg.kind, msg.src_stage, msg.mb))
+        request = self.comm.isend(buf, msg.dst, channel_tag(msg, self.schedule.num_stages))
+        if msg.kind == "act":
+            self._act_sends[(msg.src_stage, msg.mb)] = request
+        else:
+            self._other_sends.append(request)
+
+    def _hand_over(self, kind: str, src: int, dst: int, mb: int, array, direction) -> None:
+        """Route an output to stage dst: in memory if this rank runs dst, else to the outbox."""
+        if self.schedule.placement.rank_of(dst, direction) == self.rank:
+            self._inbox[(kind, dst, mb)] = array
+        else:
+            self._outbox[(kind, src, mb)] = array
+
+    # --- compute -------------------------------------------------------------------------------
+    def _do(self, action: Action) -> None:
+        s, mb = action.stage, action.mb
+        stage = self.stages[s]
+        if action.kind == "F":
+            before = saved_tensors.live_bytes
+            if stage.is_first:
+                x_in, y = None, stage(self._inputs(mb))
+            else:
+                x_in = Tensor(self._inbox.pop(("act", s, mb)), requires_grad=True)  # a leaf: its .grad goes back
+                y = stage(x_in)
+            if stage.is_last:
+                loss = self._loss_fn(y, mb)
+                self._record.loss += float(loss.item())
+                y = loss
+            else:
+                self._hand_over("act", s, s + 1, mb, y.data, action.direction)
+            self._kept[(s, mb)] = (x_in, y)
+            self._record.activation_bytes[(s, mb)] = saved_tensors.live_bytes - before
+        elif action.kind in ("B", "I"):
+            x_in, y = self._kept.pop((s, mb))
+            g_y = None if stage.is_last else self._inbox.pop(("grad", s, mb))  # None: d loss / d loss = 1
+            sent = self._act_sends.pop((s, mb), None)
+            if sent is not None:
+                sent.wait()  # y's send is complete before its backward (see the module docstring)
+            work = engine.backward([y], None if g_y is None else [g_y], defer_weight_grads=action.kind == "I")
+            if work is not None:
+                self._work[(s, mb)] = work
+            if x_in is not None:
+                if x_in.grad is None:
+                    raise RuntimeError(f"stage {s}: no gradient reached the stage's input for micro-batch {mb}")
+                self._hand_over("grad", s, s - 1, mb, x_in.grad, action.direction)
+        else:  # W
+            self._work.pop((s, mb)).run()
+
+
+def replay_peak(schedule: Schedule, rank: int, activation_bytes: dict, free_at: str = "W") -> int:
+    """Peak bytes if (s, mb)'s activation of `activation_bytes[(s, mb)]` is held from its F to its
+    B (or, split, to `free_at`: "W" holds everything until W, "I" frees everything at I) — the
+    simulator's peak_activations, weighted by the measured bytes of each stage's forward."""
+    live = peak = 0
+    for action in schedule.actions(rank):
+        key = (action.stage, action.mb)
+        if action.kind == "F":
+            live += activation_bytes[key]
+            peak = max(peak, live)
+        elif action.kind == "B" or action.kind == free_at:
+            live -= activation_bytes[key]
+    return peak
+
+
+__all__ = ["PipelineExecutor", "RunRecord", "StepTime", "channel_tag", "replay_peak"]

@@ -1,0 +1,76 @@
+"""Many pipeline configurations in one launch, each checked against single-process training.
+
+Launch:  mpiexec -n 4 python tests/mpi_programs/pipeline_verify.py '[{"schedule": "1f1b", "pp": 2, "m": 4}, ...]'
+
+Each configuration (JSON object; defaults below) builds a PipelineTrainer on the whole world
+(dp = world size / pp), runs `steps` optimizer steps in float64 and, on rank 0, the single-process
+LocalTrainer on the same batches; it records the worst loss / gradient / parameter differences
+(verify.compare, rtol 1e-10, atol 1e-12), the executor's point-to-point counters, and the
+trainer's report (peaks, measured timeline). Rank 0 prints one JSON list, one entry per
+configuration, on the last stdout line.
+"""
+
+import json
+import sys
+
+from refimpl.parallel.comm import get_world
+from refimpl.parallel.pipeline.trainer import PipelineTrainer
+from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.verify import compare
+
+DEFAULTS = dict(model="gpt", schedule="1f1b", pp=2, m=4, chunks=None, n_layer=4, d_model=8, n_head=2, seq_len=8,
+                batch=None, steps=2, clip=1.0, checkpoint=None, optimizer="adamw", collectives="mpi")
+
+
+def run(world, spec: dict) -> dict:
+    c = {**DEFAULTS, **spec}
+    dp = world.size // c["pp"]
+    batch = c["batch"] or dp * c["m"] * 2
+    cfg = TrainConfig(model=c["model"], dtype="float64", n_layer=c["n_layer"], d_model=c["d_model"],
+                      n_head=c["n_head"], seq_len=c["seq_len"], batch_size=batch, clip=c["clip"],
+                      optimizer=c["optimizer"], collectives=c["collectives"], lr=1e-2)
+    task = build_task(cfg)
+    comm = world.with_collectives(c["collectives"])
+    trainer = PipelineTrainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), comm, c["pp"], c["schedule"],
+                              c["m"], c["chunks"], clip=cfg.clip, checkpoint=c["checkpoint"])
+    trainer.record_grads = True
+    before = world.counters.snapshot()
+    recorded = []
+    for step in range(c["steps"]):
+        x, y = task.batch(step, batch)
+        loss = trainer.step(x, y)
+        recorded.append((loss, trainer.last_grads, trainer.full_parameters()))
+    p2p = trainer.mesh.pp_comm.counters.snapshot()
+    counters = world.allgather_object({"send": p2p.get("send", {"bytes": 0, "calls": 0}),
+                                       "recv": p2p.get("recv", {"calls": 0})})
+    result = {"spec": c, "dp": dp, "counters": counters, "report": trainer.report()["pipeline"]}
+    if world.rank == 0:
+        model = build_model(cfg, task)
+        reference = LocalTrainer(model, build_optimizer(cfg, model.parameters()), 1, cfg.clip)
+        reference.record_grads = True
+        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        ok = True
+        for step, (loss, grads, params) in enumerate(recorded):
+            x, y = task.batch(step, batch)
+            ref_loss = reference.step(x, y)
+            g = compare(grads, reference.last_grads, 1e-10, 1e-12)
+            p = compare(params, reference.full_parameters(), 1e-10, 1e-12)
+            loss_diff = abs(loss - ref_loss)
+            worst = {"loss": max(worst["loss"], loss_diff), "grad": max(worst["grad"], g["max_abs_diff"]),
+                     "param": max(worst["param"], p["max_abs_diff"])}
+            ok = ok and g["ok"] and p["ok"] and loss_diff <= 1e-12 + 1e-10 * abs(ref_loss)
+        result.update(ok=bool(ok), worst=worst, n_params=model.num_parameters())
+    del before
+    return result
+
+
+def main() -> None:
+    world = get_world()
+    specs = json.loads(sys.argv[1])
+    results = [run(world, spec) for spec in specs]
+    if world.rank == 0:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
