@@ -91,14 +91,14 @@ class Tensor:
             raise RuntimeError("cannot register a hook on a tensor that does not require grad")
         hooks = self._hooks if self.grad_fn is None else self.grad_fn.output_hooks.setdefault(self.output_index, [])
         hooks.append(hook)
-        return _Handle(hooks, hook)
+        return HookHandle(hooks, hook)
 
     def register_post_accumulate_grad_hook(self, hook):
         """On a leaf: call hook(tensor) right after its .grad was accumulated (DDP buckets use it)."""
         if self.grad_fn is not None:
             raise RuntimeError("post-accumulate-grad hooks exist only on leaf tensors")
         self._post_accumulate_hooks.append(hook)
-        return _Handle(self._post_accumulate_hooks, hook)
+        return HookHandle(self._post_accumulate_hooks, hook)
 
     def zero_grad(self) -> None:
         if self.grad is not None:
@@ -160,7 +160,9 @@ class Parameter(Tensor):
             self.grad = grad_view
 
 
-class _Handle:
+class HookHandle:
+    """Returned by every register_*hook; remove() unregisters the hook."""
+
     def __init__(self, hooks: list, hook) -> None:
         self._hooks, self._hook = hooks, hook
 

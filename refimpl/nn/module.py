@@ -28,7 +28,7 @@ import numpy as np
 
 from refimpl import backend
 from refimpl.autograd.function import Function
-from refimpl.autograd.tensor import Parameter, Tensor
+from refimpl.autograd.tensor import HookHandle, Parameter, Tensor
 
 
 class Module:
@@ -164,18 +164,9 @@ class ModuleList(Module):
         return iter(self._modules.values())
 
 
-class _Handle:
-    def __init__(self, hooks: list, hook) -> None:
-        self._hooks, self._hook = hooks, hook
-
-    def remove(self) -> None:
-        if self._hook in self._hooks:
-            self._hooks.remove(self._hook)
-
-
 def _add(hooks: list, hook):
     hooks.append(hook)
-    return _Handle(hooks, hook)
+    return HookHandle(hooks, hook)
 
 
 class _BackwardHookState:

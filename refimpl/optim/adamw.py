@@ -15,16 +15,17 @@ from __future__ import annotations
 
 from refimpl import backend
 
+from .base import ArrayOptimizer
 
-class AdamW:
+
+class AdamW(ArrayOptimizer):
     def __init__(self, params=(), lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01) -> None:
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"AdamW: bad hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.params = list(params)
-        self.state = [self.init_state(p.data) for p in self.params]
+        super().__init__(params)
 
     def init_state(self, param) -> dict:
         xp = backend.xp()
@@ -46,13 +47,3 @@ class AdamW:
         if self.weight_decay:
             param *= 1 - self.lr * self.weight_decay
         param -= step_size * (m / denom)
-
-    def step(self) -> None:
-        for p, state in zip(self.params, self.state):
-            if p.grad is not None:
-                self.update(p.data, p.grad, state)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad[...] = 0

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from refimpl import backend
 
+from .base import ArrayOptimizer
 
-class SGD:
+
+class SGD(ArrayOptimizer):
     def __init__(self, params=(), lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"SGD: bad hyper-parameters lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.params = list(params)
-        self.state = [self.init_state(p.data) for p in self.params]
+        super().__init__(params)
 
     def init_state(self, param) -> dict:
         return {"step": 0, "momentum": backend.xp().zeros_like(param) if self.momentum else None}
@@ -36,13 +37,3 @@ class SGD:
                 buf += grad
             grad = buf
         param -= self.lr * grad
-
-    def step(self) -> None:
-        for p, state in zip(self.params, self.state):
-            if p.grad is not None:
-                self.update(p.data, p.grad, state)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad[...] = 0

@@ -1,0 +1,30 @@
+"""What every optimizer here shares: per-parameter state, step() over parameters, zero_grad().
+
+A subclass defines `init_state(param_array) -> dict` and `update(param, grad, state)`, which works
+on arrays of any shape: a whole parameter, or a flat shard of many (ZeRO steps its shard with the
+same code).
+"""
+
+from __future__ import annotations
+
+
+class ArrayOptimizer:
+    def __init__(self, params) -> None:
+        self.params = list(params)
+        self.state = [self.init_state(p.data) for p in self.params]
+
+    def init_state(self, param) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update(self, param, grad, state: dict) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def step(self) -> None:
+        for p, state in zip(self.params, self.state):
+            if p.grad is not None:
+                self.update(p.data, p.grad, state)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad[...] = 0
