@@ -56,6 +56,13 @@ class TrainConfig:
     collectives: str = "mpi"
     dp_mode: str = "bucketed"
     bucket_bytes: int = 1 << 20
+    # pipeline parallelism (refimpl/parallel/pipeline; docs/pipeline_parallel.md)
+    pp: int = 1
+    schedule: str | None = None
+    micro_batches: int | None = None
+    chunks: int | None = None
+    action_costs: str | None = None
+    trace: str | None = None
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -76,6 +83,8 @@ class TrainConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.data is not None and self.model != "gpt":
             raise ValueError("--data trains a character-level GPT; use it with --model gpt")
+        if self.pp < 1 or (self.micro_batches is not None and self.micro_batches < 1):
+            raise ValueError(f"--pp and --micro-batches must be positive, got {self.pp} and {self.micro_batches}")
         backend.check_dtype(self.dtype)
         if self.dtype == "float16":
             raise ValueError("--dtype float16 is not a training dtype; use float32 or float64")
@@ -159,6 +168,12 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
     distributed=None chooses by the world's size; verify forces True so that even a world of one
     process runs the distributed code path.
     """
+    if cfg.pp > 1 or cfg.schedule is not None:  # pipeline parallel (with dp = world size / pp)
+        from refimpl.parallel.pipeline.trainer import PipelineTrainer  # noqa: PLC0415
+
+        return PipelineTrainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg), cfg.pp,
+                               cfg.schedule or "1f1b", cfg.micro_batches, cfg.chunks, cfg.clip,
+                               getattr(cfg, "checkpoint", None), cfg.action_costs, cfg.trace, cfg.grad_accum)
     optimizer = build_optimizer(cfg, model.parameters())
     if world is None or (distributed is None and world.size == 1) or distributed is False:
         return LocalTrainer(model, optimizer, cfg.grad_accum, cfg.clip)
@@ -210,6 +225,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         tokens += x.size if cfg.model == "gpt" else 0
         bar.update(step + 1, loss=loss)
     elapsed = time.perf_counter() - start
+    if hasattr(trainer, "gather_model"):  # the model lives in parts on several ranks (pipeline)
+        trainer.gather_model(model)
     eval_loss, acc = evaluate(model, task)
     summary = {
         "model": cfg.model,
@@ -255,6 +272,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-mode", choices=("bucketed", "naive"), default="bucketed",
                    help="data parallelism: overlapped bucket all-reduces, or one all-reduce per gradient")
     p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="gradient bucket size in bytes (default 1 MiB)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks; data parallel = world size / pp")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe",
+                                          "dualpipev"), help="pipeline schedule (default 1f1b when --pp > 1)")
+    p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step and replica (default 2 x pp)")
+    p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved only; default 2)")
+    p.add_argument("--action-costs", metavar="F=0.02,I=0.02,W=0.02",
+                   help="pipeline sleep-cost mode: pad every step to these seconds (B=I+W, FB=F+B unless given)")
+    p.add_argument("--trace", metavar="FILE", help="write the last step's measured pipeline timeline (Chrome trace)")
     p.add_argument("--backend", choices=backend.BACKENDS, default=None,
                    help="array module (default numpy, or $REFIMPL_BACKEND)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
