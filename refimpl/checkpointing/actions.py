@@ -112,7 +112,7 @@ def simulate(actions: list, n: int, *, input_bytes: int = 1, own_bytes: int = 0,
     for index, a in enumerate(actions):
         if isinstance(a, Snapshot):
             if hand is None or hand[0] != a.at or a.at in snapshots:
-                fail(index, a, "the state in hand is not x_%d, or it is already kept" % a.at)
+                fail(index, a, f"the state in hand is not x_{a.at}, or it is already kept")
             snapshots[a.at] = hand[1]
         elif isinstance(a, Free):
             if a.at not in snapshots:
@@ -124,7 +124,7 @@ def simulate(actions: list, n: int, *, input_bytes: int = 1, own_bytes: int = 0,
             hand = (a.at, snapshots[a.at])
         elif isinstance(a, (Advance, Record)):
             if hand is None or hand[0] != a.start or not a.start < a.stop <= n:
-                fail(index, a, "the state in hand is not x_%d, or the range is empty" % a.start)
+                fail(index, a, f"the state in hand is not x_{a.start}, or the range is empty")
             if isinstance(a, Record):
                 if recorded is not None:
                     fail(index, a, "layers are already recorded and not yet backpropagated")
@@ -136,7 +136,7 @@ def simulate(actions: list, n: int, *, input_bytes: int = 1, own_bytes: int = 0,
             hand = (a.stop, next(fresh))
         elif isinstance(a, Backprop):
             if recorded is None or recorded[:2] != (a.start, a.stop) or grad_at != a.stop:
-                fail(index, a, "these layers are not recorded, or the gradient is not at x_%d" % a.stop)
+                fail(index, a, f"these layers are not recorded, or the gradient is not at x_{a.stop}")
             backpropped.update(range(a.start + 1, a.stop + 1))
             recorded, grad_at, hand = None, a.start, None
         else:

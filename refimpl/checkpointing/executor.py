@@ -51,6 +51,7 @@ class ChainRun:
         self.recorded: tuple | None = None  # (start, stop, input leaf, output Tensor)
         self.grad: tuple | None = None  # (position, gradient array or None)
         self.param_grads: dict[int, object] = {}  # id(parameter) -> summed gradient
+        self.x0_requires_grad = False  # set by the forward: whether the chain's input wants a gradient
         self.done = False
 
     # --- one layer ----------------------------------------------------------------------------
@@ -67,7 +68,21 @@ class ChainRun:
     # --- the actions --------------------------------------------------------------------------
     def run(self, actions) -> None:
         for a in actions:
-            getattr(self, "_" + type(a).__name__.lower())(a)
+            match a:
+                case Snapshot():
+                    self._snapshot(a)
+                case Free():
+                    self._free(a)
+                case Restore():
+                    self._restore(a)
+                case Advance():
+                    self._advance(a)
+                case Record():
+                    self._record(a)
+                case Backprop():
+                    self._backprop(a)
+                case _:
+                    raise TypeError(f"unknown action {a!r}")
 
     def _snapshot(self, a: Snapshot) -> None:
         array = self.hand[1].data

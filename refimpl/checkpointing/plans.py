@@ -137,8 +137,9 @@ def sqrt_segment(n: int) -> int:
 def segment_actions(n: int, k: int) -> list:
     """The every:K schedule (see the module docstring)."""
     k = min(k, n)
-    bounds = [0] + list(range(n - k * (math.ceil(n / k) - 1), n + 1, k))  # segment boundaries
-    bounds = sorted(set(bounds))
+    m = math.ceil(n / k)
+    first = n - (m - 1) * k  # the first segment takes the remainder: 1 <= first <= k
+    bounds = [0] + [first + i * k for i in range(m)]  # 0 < first < first + k < ... < n
     segments = list(zip(bounds[:-1], bounds[1:]))
     actions = []
     for a, b in segments[:-1]:

@@ -29,7 +29,7 @@ from refimpl.nn import functional as F
 from . import revolve
 from .gpt import gpt_forward
 from .measure import count_forward_calls, measure_chain, tanh_chain
-from .plans import parse_plan, predicted_cost, sqrt_segment
+from .plans import predicted_cost, sqrt_segment
 from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
 
 CHAIN_LENGTHS = (16, 64, 100, 256)
