@@ -25,6 +25,10 @@ run during backward. `simulate` checks a list and counts what it costs, from the
 
 The executor measures the same quantities independently (a counter inside each layer, the
 engine's saved-tensor ledger); the tests check that the two agree.
+
+The vocabulary follows Griewank & Walther's revolve (ACM TOMS 2000: takeshot, restore, advance,
+firsturn/youturn), with the adjoint step split in two, Record and Backprop, because an autograd
+engine records a layer's graph in one call and differentiates it in another.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """The executor: run a schedule of actions (actions.py) over a chain of layers, inside autograd.
 
+The schedules are those of plans.py (uniform segments, Chen et al., arXiv 1604.06174) and
+revolve.py (Griewank & Walther, ACM TOMS 2000); this file only runs them, one action at a time,
+and the counts it produces (t(n, C) + n layer forwards for revolve, n − ⌈√n⌉ extra for sqrt) are
+measured by whoever counts the layers' calls.
+
 The whole chain is one autograd Function, `ScheduledChain`, whose inputs are the chain's input x_0
 and the parameters of every layer. Its forward runs the schedule's forward part (snapshots,
 advances, and the recording of the last layers, whose output is the chain's output); its backward
