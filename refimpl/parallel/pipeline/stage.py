@@ -74,11 +74,13 @@ class Chain:
             self.layers = list(model.blocks)
             self.enter_modules = [model.wte, model.wpe, model.drop]
             self.leave_modules = [model.ln_f] + ([model.lm_head] if not model.config.tie_weights else [])
-            self.what = "transformer blocks (--n-layer)"
+            self.what = "transformer blocks"
+            self.flag = lambda n: f"--n-layer {n}"
         elif isinstance(model, MLPClassifier):
             self.layers = [MLPLayer(model.mlp, i) for i in range(len(model.mlp.layers))]
             self.enter_modules, self.leave_modules = [], []
             self.what = "Linear layers (--n-layer hidden layers + 1)"
+            self.flag = lambda n: f"--n-layer {n - 1}"
         else:
             raise ValueError(f"pipeline stages can be cut from a GPT or an MLPClassifier, not {type(model).__name__}")
         self.dtype = model.parameters()[0].dtype
@@ -105,13 +107,15 @@ def stage_sizes(num_layers: int, num_stages: int) -> list[int]:
     return [num_layers // num_stages + (1 if s < num_layers % num_stages else 0) for s in range(num_stages)]
 
 
-def check_split(num_layers: int, num_stages: int, what: str = "layers", why: str = "") -> None:
+def check_split(num_layers: int, num_stages: int, what: str = "layers", why: str = "", flag=None) -> None:
     """One ValueError, the same on every rank, when L layers cannot make S non-empty stages."""
     if num_stages < 1:
         raise ValueError(f"a pipeline needs at least one stage, got {num_stages}")
     if num_layers < num_stages:
+        fix = f" ({flag(num_stages)})" if flag else ""
         raise ValueError(f"the model has {num_layers} {what}, which cannot be split into {num_stages} pipeline "
-                         f"stages{why}: every stage needs at least one; use at least {num_stages}, or fewer stages")
+                         f"stages{why}: every stage needs at least one; use at least {num_stages}{fix}, or fewer "
+                         "pipeline ranks")
 
 
 class Stage:
@@ -188,7 +192,7 @@ def split_model(model, num_stages: int, stages=None, checkpoint_plan=None, why: 
     if chain.tied and num_stages > 1:
         raise ValueError("a GPT with tied embeddings (tie_weights) puts one weight on the first and the last "
                          "pipeline stage; the pipeline needs untied weights (the default)")
-    check_split(len(chain.layers), num_stages, chain.what, why)
+    check_split(len(chain.layers), num_stages, chain.what, why, chain.flag)
     sizes = stage_sizes(len(chain.layers), num_stages)
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     wanted = range(num_stages) if stages is None else stages

@@ -113,6 +113,10 @@ class PipelineTrainer:
     def step(self, x, y) -> float:
         """One optimizer step on the global batch (x, y); returns the global batch's loss."""
         total = count_targets(y)  # of the whole global batch
+        parts = self.dp * self.schedule.micro_batches
+        if len(x) % parts:
+            raise ValueError(f"a batch of {len(x)} cannot be split into {self.dp} data-parallel replicas x "
+                             f"{self.schedule.micro_batches} micro-batches; choose a --batch-size divisible by {parts}")
         x_local, y_local = split_batch(x, y, self.dp, "data-parallel replicas (world size / --pp)")[self.mesh.dp_index]
         micro = split_batch(x_local, y_local, self.schedule.micro_batches, "pipeline micro-batches (--micro-batches)")
         scale = 1.0 / max(1, total)
