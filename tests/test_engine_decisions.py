@@ -190,3 +190,27 @@ def test_saved_parameters_are_read_at_backward_time():
     w.data = gathered * 5.0  # "gathered again" (deliberately different, to prove it is read now)
     out.sum().backward()
     assert np.array_equal(x.grad, np.full((1, 3), 20.0))
+
+
+def test_a_graph_dropped_without_backward_releases_its_saved_arrays():
+    import gc
+
+    base = saved_tensors.live_bytes
+    x = Tensor(np.ones((10, 10)), requires_grad=True)
+    y = (x * x).tanh()
+    assert saved_tensors.live_bytes > base
+    del y
+    gc.collect()
+    assert saved_tensors.live_bytes == base
+
+
+def test_functional_grad_runs_no_leaf_hook():
+    from refimpl.autograd import grad
+
+    w = Parameter(np.ones(2))
+    calls = []
+    w.register_hook(lambda g: calls.append(1))
+    grad((w * 2.0).sum(), [w])
+    assert calls == []
+    (w * 2.0).sum().backward()
+    assert calls == [1]

@@ -77,13 +77,13 @@ class _LeafAccumulator:
     def _finish(self, leaf: Tensor, total) -> None:
         if total.dtype != leaf.dtype:  # a float16 leaf's gradient was computed in float32
             total = total.astype(leaf.dtype)
+        if self.capture is not None:  # functional grad(): nothing is accumulated, no hook runs
+            self.capture[id(leaf)] = total
+            return
         for hook in leaf._hooks:
             replaced = hook(total)
             if replaced is not None:
                 total = replaced
-        if self.capture is not None:
-            self.capture[id(leaf)] = total
-            return
         if leaf.grad is None:
             leaf.grad = total.copy()  # own it: backward results may alias other arrays
         else:
@@ -177,8 +177,10 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
             needs = needs_of[id(node)]
             grads = node_grads.pop(id(node), None)
             if grads is None or node.saved is None and any(needs):
-                if grads is None:
-                    continue  # no gradient reaches this node
+                if grads is None:  # no gradient reaches this node
+                    if not retain_graph:
+                        node.release()
+                    continue
                 raise RuntimeError(f"{node.name}: saved tensors were already freed; "
                                    "pass retain_graph=True to backward twice through a graph")
             grads = [xp.zeros(shape, dtype) if g is None else g for g, (shape, dtype) in zip(grads, node.output_meta)]
@@ -232,7 +234,9 @@ def backward(tensors: Sequence[Tensor], grad_tensors=None, *, retain_graph: bool
 def grad(outputs, inputs, grad_outputs=None, *, retain_graph: bool = False) -> list:
     """d(outputs)/d(inputs) as a list of arrays (None where an input is unreachable).
 
-    Nothing is accumulated into any .grad.
+    Nothing is accumulated into any .grad, and leaf hooks do not run (they belong to accumulation:
+    a leaf hook sees the whole gradient of a backward pass once, as it is accumulated). Hooks on
+    non-leaf tensors on the way do run.
     """
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)

@@ -93,6 +93,11 @@ class Function:
         self._counted = []
         self._saved = None
 
+    def __del__(self) -> None:
+        # A graph dropped without a backward must not leave its arrays counted (and held) by the ledger.
+        if self._counted:
+            self.release()
+
     @property
     def name(self) -> str:
         return type(self).__name__

@@ -54,7 +54,7 @@ from refimpl.autograd.function import Function
 from refimpl.autograd.grad_mode import enable_grad, no_grad
 from refimpl.autograd.tensor import Parameter, Tensor
 
-from .state import RngReplay, capture_rng, check_all_declared, generators_of, parameters_of, suspended_leaf_hooks
+from .state import RngReplay, capture_rng, check_all_declared, generators_of, parameters_of
 
 
 class RecomputingFunction(Function):
@@ -116,8 +116,7 @@ class Checkpoint(RecomputingFunction):
         check_all_declared(outs, targets, "checkpoint")
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o.requires_grad]
         if pairs:
-            with suspended_leaf_hooks(params):
-                found = engine.grad([o for o, _ in pairs], targets, [g for _, g in pairs])
+            found = engine.grad([o for o, _ in pairs], targets, [g for _, g in pairs])
         else:
             found = [None] * len(targets)
         by_id = {id(t): g for t, g in zip(targets, found)}

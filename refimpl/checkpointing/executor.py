@@ -36,7 +36,7 @@ from refimpl.autograd.tensor import Tensor
 
 from .actions import Advance, Backprop, Free, Record, Restore, Snapshot, forward_part
 from .checkpoint import RecomputingFunction
-from .state import RngReplay, capture_rng, check_all_declared, suspended_leaf_hooks
+from .state import RngReplay, capture_rng, check_all_declared
 
 
 class ChainRun:
@@ -123,8 +123,7 @@ class ChainRun:
         check_all_declared([out], targets, "checkpoint_sequential")
         g = self.grad[1]
         if out.requires_grad and g is not None:
-            with suspended_leaf_hooks(params):
-                found = engine.grad([out], targets, [g])
+            found = engine.grad([out], targets, [g])
         else:
             found = [None] * len(targets)
         for p, gp in zip(params, found[len(targets) - len(params):]):

@@ -174,28 +174,4 @@ def check_all_declared(outputs, declared, where: str) -> None:
             f"{where}: the recomputed function differentiates through {len(missing)} tensor(s) that "
             f"were neither arguments nor parameters of a Module reachable from it ({shapes}); pass "
             "them as arguments or call a Module, or they would get no gradient")
-
-
-class suspended_leaf_hooks:
-    """Context manager: the gradient hooks of `leaves` do not fire inside it.
-
-    The recomputed subgraph is differentiated with engine.grad, which runs a leaf's hooks on the
-    gradient it returns. That gradient is only this Function's contribution; the outer engine
-    runs the hooks again on the parameter's whole gradient. Suspending them inside keeps the
-    contract "a leaf hook sees its whole gradient once per backward" (a hook that rescales a
-    gradient must not rescale it twice).
-    """
-
-    def __init__(self, leaves) -> None:
-        self.leaves = [t for t in leaves if t._hooks]
-
-    def __enter__(self):
-        self._hooks = [t._hooks for t in self.leaves]
-        for t in self.leaves:
-            t._hooks = []
-        return self
-
-    def __exit__(self, *exc):
-        for t, hooks in zip(self.leaves, self._hooks):
-            t._hooks = hooks
         return False
