@@ -174,4 +174,3 @@ def check_all_declared(outputs, declared, where: str) -> None:
             f"{where}: the recomputed function differentiates through {len(missing)} tensor(s) that "
             f"were neither arguments nor parameters of a Module reachable from it ({shapes}); pass "
             "them as arguments or call a Module, or they would get no gradient")
-        return False
