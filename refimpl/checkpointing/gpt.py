@@ -7,10 +7,10 @@ wrap the blocks from above (nn does not import checkpointing; data flows one way
     apply_to_gpt(model, "revolve:4")             # from now on model(idx) does the same
     apply_to_gpt(model, "none")                  # back to the plain forward
 
-apply_to_gpt sets an instance attribute `forward` on the model (Module.__call__ calls
-self.forward, and an instance attribute shadows the class's method), so everything that calls
-model(idx) or model.loss(idx, targets) — the training loop, data parallelism, ZeRO — runs the
-checkpointed forward without knowing it. Hooks, parameters and state_dict are untouched.
+apply_to_gpt installs a blocks runner (GPT.blocks_runner, a callable (blocks, x) -> x that the
+GPT's forward calls instead of its plain loop), so everything that calls model(idx) or
+model.loss(idx, targets) — the training loop, data parallelism, ZeRO — runs the checkpointed
+forward without knowing it. Hooks, parameters and state_dict are untouched.
 
 `checkpoint_stats(model)` reads what the training loop reports: forward calls per block (a
 forward pre-hook counter, recomputations included) and the peak of saved bytes (the engine's
@@ -33,37 +33,31 @@ def gpt_forward(model, idx, plan="none", *, preserve_rng_state: bool = True) -> 
     return model.head(x)  # (B, T, V)
 
 
-class CheckpointedForward:
-    """The forward installed by apply_to_gpt: remembers the plan and resolved budgets."""
+class CheckpointedBlocks:
+    """The blocks runner installed by apply_to_gpt: remembers the plan and resolved budgets."""
 
-    def __init__(self, model, plan) -> None:
-        self.model, self.plan = model, parse_plan(plan)
+    def __init__(self, plan) -> None:
+        self.plan = parse_plan(plan)
         self.resolved: dict = {}  # (shape, dtype) of the blocks' input -> concrete plan
 
-    def __call__(self, idx) -> Tensor:
-        model = self.model
-        x = model.embed(idx)  # (B, T, C)
-        blocks = list(model.blocks)
+    def __call__(self, blocks, x) -> Tensor:
         plan = self.plan
         if isinstance(plan, Budget):
             key = (x.shape, str(x.dtype))
             if key not in self.resolved:
                 self.resolved[key] = resolve_plan(plan, blocks, x, measure_layer_cost(blocks[0], x))
             plan = self.resolved[key]
-        return model.head(checkpoint_sequential(blocks, x, plan))  # (B, T, V)
+        return checkpoint_sequential(blocks, x, plan)  # (B, T, C)
 
 
 def apply_to_gpt(model, plan):
     """Make model(idx) run its blocks under `plan` ("none" restores the plain forward). Returns model."""
     plan = parse_plan(plan)
-    if "forward" in model.__dict__:
-        del model.__dict__["forward"]
-    if not isinstance(plan, NoCheckpoint):
-        object.__setattr__(model, "forward", CheckpointedForward(model, plan))
+    model.blocks_runner = None if isinstance(plan, NoCheckpoint) else CheckpointedBlocks(plan)
     return model
 
 
 def current_plan(model):
     """The plan installed by apply_to_gpt (a plan object), or none."""
-    forward = model.__dict__.get("forward")
-    return forward.plan if isinstance(forward, CheckpointedForward) else NoCheckpoint()
+    runner = model.blocks_runner
+    return runner.plan if isinstance(runner, CheckpointedBlocks) else NoCheckpoint()

@@ -63,6 +63,9 @@ class GPT(Module):
         self.ln_f = LayerNorm(c.d_model, dtype=dt)
         if not c.tie_weights:
             self.lm_head = Linear(c.d_model, c.vocab_size, rng, bias=False, std=0.02, dtype=dt)
+        # How the blocks run: None, one after the other; or a callable (blocks, x) -> x, which
+        # activation checkpointing installs (refimpl.checkpointing.apply_to_gpt).
+        self.blocks_runner = None
 
     def embed(self, idx) -> Tensor:
         idx = idx.data if isinstance(idx, Tensor) else backend.asarray(idx)
@@ -78,8 +81,11 @@ class GPT(Module):
 
     def forward(self, idx) -> Tensor:
         x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
+        if self.blocks_runner is not None:
+            x = self.blocks_runner(list(self.blocks), x)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.head(x)
 
     def loss(self, idx, targets, ignore_index: int = -100) -> Tensor:
