@@ -1,0 +1,224 @@
+"""Exercises for the tutorials in tutorials/: stubs, reference solutions and checks.
+
+Every tutorial ends with exercises. An exercise is a function whose body the student writes (it
+starts as a stub that raises NotImplementedError) and a check, in one of this package's modules,
+that runs the student's function on small inputs and compares it with refimpl's own
+implementation. In a tutorial:
+
+    from refimpl.tutorial import Exercises
+    from refimpl.tutorial.collectives import check_ring_allgather
+
+    ex = Exercises("03_collectives")
+
+    @ex.stub
+    def ring_allgather(blocks):
+        raise NotImplementedError("exercise 1")
+
+    ex.check(1, check_ring_allgather, ring_allgather)   # prints: not done yet / wrong: ... / correct
+    ex.summary()                                       # prints: 0 of 1 correct; not done yet: 1
+
+A check never stops the notebook: it prints one of
+
+    Exercise 1 (ring all-gather): not done yet -- ring_allgather still raises NotImplementedError ...
+    Exercise 1 (ring all-gather): wrong -- with 3 ranks, rank 1 holds [...] but every rank should hold [...]
+    Exercise 1 (ring all-gather): correct
+
+Reference solutions live in tutorials/solutions/<tutorial>.py, one function per stub, with the
+same names. With the environment variable REFIMPL_TUTORIAL_SOLUTIONS set (to 1 for the
+repository's tutorials/solutions/, or to a directory), `@ex.stub` returns the solution instead of
+the stub and a check that does not pass raises AssertionError; the test suite runs every tutorial
+that way (tests/test_tutorials.py), and also calls every check on its unfilled stub, where it must
+fail.
+
+Checks raise `Wrong` with a sentence that says what was expected; `run_check` turns that, a
+NotImplementedError, or any other exception from the student's code, into a `Result`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "REFIMPL_TUTORIAL_SOLUTIONS"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Wrong(AssertionError):
+    """Raised by a check when the student's answer differs from refimpl's; the message says how."""
+
+
+def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e-12) -> None:
+    """Raise Wrong unless `got` has `expected`'s shape and values (float64 tolerances by default)."""
+    import numpy as np  # noqa: PLC0415 - keep `import refimpl.tutorial` light
+
+    if got is None:
+        raise Wrong(f"{what}: got None")
+    got, expected = np.asarray(got), np.asarray(expected)
+    if got.shape != expected.shape:
+        raise Wrong(f"{what} has shape {got.shape}, expected {expected.shape}")
+    if not np.allclose(got, expected, rtol=rtol, atol=atol):
+        diff = np.abs(got.astype(np.float64) - expected)
+        at = np.unravel_index(np.argmax(diff), diff.shape) if diff.ndim else ()
+        raise Wrong(f"{what} differs: at index {tuple(int(i) for i in at)} you have {got[at]!r}, "
+                    f"expected {expected[at]!r} (largest |difference| {diff.max():.3g})")
+
+
+@dataclass
+class Result:
+    status: str  # "correct", "not done", "wrong" or "error"
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "correct"
+
+
+def solutions_dir() -> Path | None:
+    """The directory of reference solutions selected by REFIMPL_TUTORIAL_SOLUTIONS, or None."""
+    value = os.environ.get(ENV, "")
+    if value in ("", "0"):
+        return None
+    path = REPO / "tutorials" / "solutions" if value == "1" else Path(value)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{ENV}={value}: no solutions directory at {path}")
+    return path
+
+
+def _student_frame(exc: BaseException) -> str:
+    """'file:line in function' of the innermost frame outside this package (the student's code)."""
+    here = str(Path(__file__).parent)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(here)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {Path(f.filename).name}:{f.lineno}, in {f.name}: {f.line})"
+
+
+def run_check(check, fn) -> Result:
+    """Run check(fn) and classify what happened."""
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        check(fn)
+    except NotImplementedError:
+        return Result("not done", f"{name} still raises NotImplementedError; fill in its body and run this again")
+    except Wrong as exc:
+        return Result("wrong", str(exc))
+    except Exception as exc:  # noqa: BLE001 - any mistake in the student's code is reported, not raised
+        return Result("error", f"{name} raised {type(exc).__name__}: {exc}{_student_frame(exc)}")
+    return Result("correct", "")
+
+
+def title(check) -> str:
+    """A check's title: the first line of its docstring, without the 'Check: ' prefix."""
+    doc = (check.__doc__ or check.__name__).strip().splitlines()[0]
+    return doc.removeprefix("Check: ").rstrip(".")
+
+
+class Exercises:
+    """The exercises of one tutorial: swaps stubs for solutions when asked, runs and tallies checks."""
+
+    def __init__(self, tutorial: str) -> None:
+        self.tutorial = tutorial
+        self.results: dict[int, Result] = {}
+        folder = solutions_dir()
+        self.solutions = None
+        if folder is not None:
+            path = folder / f"{tutorial}.py"
+            if not path.is_file():
+                raise FileNotFoundError(f"{ENV} is set but {path} does not exist")
+            self.solutions = runpy.run_path(str(path), run_name=f"solutions_{tutorial}")
+
+    @property
+    def strict(self) -> bool:
+        """True when running with the reference solutions: a check that does not pass raises."""
+        return self.solutions is not None
+
+    def stub(self, fn):
+        """Decorator: the student's function, or the reference solution of the same name."""
+        if self.solutions is None:
+            return fn
+        if fn.__name__ not in self.solutions:
+            raise KeyError(f"tutorials/solutions/{self.tutorial}.py has no function {fn.__name__}")
+        return self.solutions[fn.__name__]
+
+    def check(self, number: int, check, fn) -> bool:
+        """Run exercise `number`'s check on `fn`, print the verdict, return whether it passed."""
+        result = run_check(check, fn)
+        self.results[number] = result
+        verdict = {"correct": "correct", "not done": "not done yet", "wrong": "wrong", "error": "error"}[result.status]
+        line = f"Exercise {number} ({title(check)}): {verdict}" + (f" -- {result.message}" if result.message else "")
+        print(line)
+        if self.strict and not result.ok:
+            raise AssertionError(f"{self.tutorial}: the reference solution fails its check: {line}")
+        return result.ok
+
+    def summary(self) -> bool:
+        """Print how many exercises pass; return True if all do."""
+        done = [n for n, r in sorted(self.results.items()) if r.ok]
+        missing = [n for n, r in sorted(self.results.items()) if r.status == "not done"]
+        failing = [n for n, r in sorted(self.results.items()) if r.status in ("wrong", "error")]
+        text = f"{self.tutorial}: {len(done)} of {len(self.results)} exercises correct"
+        if missing:
+            text += "; not done yet: " + ", ".join(map(str, missing))
+        if failing:
+            text += "; to fix: " + ", ".join(map(str, failing))
+        print(text)
+        return len(done) == len(self.results)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launching MPI programs from a tutorial (a notebook cannot be run under mpiexec itself)
+# ------------------------------------------------------------------------------------------------
+
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "MV2_", "I_MPI_")
+
+
+def find_mpiexec() -> str:
+    """mpiexec next to this Python (the mpich wheel installs it in the virtual environment's bin/),
+    else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec next to this Python or on PATH: pip install mpich "
+                                "(or pip install -e '.[mpi]' in the repository)")
+    return found
+
+
+def run_mpi(n: int, *args, timeout: float = 300, show: bool = True, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `mpiexec -n n <this python> *args` and print what the ranks printed.
+
+    `args` are the Python arguments: ("-m", "refimpl", "verify", ...) or ("-c", PROGRAM). Returns
+    the CompletedProcess (stdout and stderr as text); raises RuntimeError if the job fails and
+    `check` is true.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.pop(ENV, None)  # the MPI programs are refimpl's own, never the exercises
+    command = [find_mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if show:
+        shown = [a if "\n" not in a else "PROGRAM" for a in map(str, args)]
+        print(f"$ mpiexec -n {n} python {' '.join(shown)}")
+        for stream in (done.stdout, done.stderr):
+            if stream.strip():
+                print(stream.rstrip())
+    if check and done.returncode != 0:
+        raise RuntimeError(f"mpiexec -n {n} exited with status {done.returncode}:\n{done.stderr[-2000:]}")
+    return done
+
+
+def last_json(done: subprocess.CompletedProcess) -> dict:
+    """The JSON object that a `--json` command prints as its last line of stdout."""
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return json.loads(lines[-1])
+
+
+__all__ = ["Exercises", "Wrong", "expect_close", "Result", "run_check", "solutions_dir", "run_mpi", "last_json", "find_mpiexec"]
