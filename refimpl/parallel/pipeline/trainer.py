@@ -53,6 +53,7 @@ from ..mesh import Mesh
 from . import timeline as tl
 from .executor import PipelineExecutor, replay_peak
 from .schedules import build
+from .simulate import Costs
 from .stage import split_model
 from .validate import validate
 
@@ -78,7 +79,7 @@ class PipelineTrainer:
         validate(self.schedule)
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.pp, self.dp, self.clip, self.trace = pp, self.mesh.dp, clip, trace
-        self.costs = tl.parse_costs(action_costs)
+        self.costs = action_costs if isinstance(action_costs, Costs) else tl.parse_costs(action_costs)
         self.timing_mode = tl.describe_costs(self.costs)
         p = self.mesh.pp_index
         placement = self.schedule.placement
