@@ -19,6 +19,7 @@ COMMANDS = {
     "verify": ("refimpl.verify", "check a distributed run against single-process training"),
     "schedule": ("refimpl.parallel.pipeline.command", "generate, validate, simulate and draw a pipeline schedule"),
     "memory": ("refimpl.memory_command", "ZeRO memory per rank: the paper's estimator and the measured ledger"),
+    "consolidate": ("refimpl.parallel.zero.checkpoint", "merge a sharded checkpoint into one state dict (.npz)"),
 }
 
 

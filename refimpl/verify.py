@@ -69,6 +69,9 @@ def run(args) -> int:
         args.steps = DEFAULT_STEPS
     cfg = config_from_args(args)
     cfg.check()
+    if cfg.dtype not in TOLERANCES:  # mixed precision has no single-process twin to compare with
+        raise ValueError(f"verify compares float64 or float32 runs with single-process training, not --dtype "
+                         f"{cfg.dtype}; mixed precision is tested in tests/test_zero.py (loss scaling, skipped steps)")
     rtol = args.rtol if args.rtol is not None else TOLERANCES[cfg.dtype][0]
     atol = args.atol if args.atol is not None else TOLERANCES[cfg.dtype][1]
     world = get_world(cfg)

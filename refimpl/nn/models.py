@@ -76,8 +76,9 @@ class GPT(Module):
 
     def head(self, x: Tensor) -> Tensor:
         x = self.ln_f(x)
-        weight = self.wte.weight if self.config.tie_weights else self.lm_head.weight
-        return F.linear(x, weight)  # (B, T, V)
+        if self.config.tie_weights:
+            return F.linear(x, self.wte.weight)  # (B, T, V)
+        return self.lm_head(x)  # (B, T, V); a module call, so module hooks (ZeRO-3's gathers) see it
 
     def forward(self, idx) -> Tensor:
         x = self.embed(idx)

@@ -1,0 +1,75 @@
+"""Data parallelism inside the ZeRO framework: the paper's baseline (arXiv 1910.02054, §3).
+
+Every rank holds everything -- parameters, gradients, master weights, optimizer states -- whole:
+
+    model-state bytes per rank   (P + G + K) Ψ                  (16Ψ for mixed-precision Adam)
+    communication per step       all-reduce of the gradients: 2Ψ(N−1)/N elements
+
+Parameters and gradients live in flat buckets of about --bucket-bytes (flat.py, one shard: no
+padding); each parameter's data and grad are views into them. Backward accumulates into the
+gradient buckets; on the last micro-batch a bucket's all-reduce starts as soon as its last
+gradient is in (overlapping the rest of backward), and every rank then takes the same optimizer
+step on the same whole arrays.
+
+refimpl runs float32/float64 `--zero 0` with parallel/data_parallel.py (the DDP trainer); this
+class is what `--zero 0 --dtype mixed` runs, since mixed precision needs the master weights and
+loss scaling that ZeRO's sharded optimizer provides. The ZeRO stages build on it: stage1.py.
+"""
+
+from __future__ import annotations
+
+from .flat import bucket_groups
+from .trainer import ZeroTrainer
+
+
+class Stage0Trainer(ZeroTrainer):
+    """Whole parameters, whole gradients (all-reduced), whole optimizer state on every rank."""
+
+    stage = 0
+
+    def _make_groups(self) -> list:
+        n = self.world_size if self.stage > 0 else 1
+        return bucket_groups(self.named, self.bucket_bytes, n, self.rank if n > 1 else 0)
+
+    def _hold_parameters(self) -> list:
+        """Whole flat parameter buffers; every parameter becomes a view into its group's buffer."""
+        self.param_flats, blocks = [], []
+        for group in self.groups:
+            flat = self.ledger.register("parameters", group.flatten([p.data for p in group.params]),
+                                        "whole parameters")  # (L,)
+            for p, view in zip(group.params, group.views(flat)):
+                p.set_flat_views(view)
+            self.param_flats.append(flat)
+            blocks.append(flat[group.start:group.stop])  # (L/N,) the block this rank updates
+        return blocks
+
+    def _hold_gradients(self) -> None:
+        """Whole flat gradient buffers, allocated once; backward accumulates straight into them."""
+        self.grad_flats = []
+        for group in self.groups:
+            flat = self.ledger.register("gradients", group.empty(), "whole gradients")  # (L,)
+            for p, view in zip(group.params, group.views(flat)):
+                p.grad = view
+            self.grad_flats.append(flat)
+
+    def _needs_reduction(self, group) -> bool:
+        return True  # whole gradients: every bucket is reduced on the last micro-batch
+
+    def _start_reduction(self, group):
+        return self.comm.iallreduce(self.grad_flats[group.index])
+
+    def _reduction_done(self, group) -> None:
+        pass
+
+    def _gradient_blocks(self) -> list:
+        return self.grad_flats
+
+    def _clear_gradients(self) -> None:
+        for flat in self.grad_flats:
+            flat[...] = 0
+
+    def _publish(self) -> None:
+        pass  # every rank took the same step on the same whole arrays
+
+    def _whole_parameters(self, group):
+        return self.param_flats[group.index]
