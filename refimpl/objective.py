@@ -12,12 +12,15 @@ across micro-batches, whatever the split.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from refimpl import backend
 from refimpl.autograd import Tensor
 from refimpl.data import IGNORE
 from refimpl.nn import functional as F
+from refimpl.nn.batch_rows import batch_rows
 
 
 def count_targets(y) -> int:
@@ -32,9 +35,15 @@ def to_input(model, x):
     return Tensor(backend.asarray(x, dtype=model.parameters()[0].dtype))
 
 
-def micro_batch_loss(model, x, y, total_count: int) -> Tensor:
-    """Σ cross-entropy over this micro-batch's counted targets, divided by the global batch's count."""
-    logits = model(to_input(model, x))
+def micro_batch_loss(model, x, y, total_count: int, rows: tuple | None = None) -> Tensor:
+    """Σ cross-entropy over this micro-batch's counted targets, divided by the global batch's count.
+
+    rows = (start, global_size, batch_id) says which rows of which global batch x holds, so that
+    dropout masks do not depend on the split (refimpl/nn/batch_rows.py).
+    """
+    context = nullcontext() if rows is None else batch_rows(rows[0], rows[0] + len(x), rows[1], rows[2])
+    with context:
+        logits = model(to_input(model, x))
     return F.cross_entropy(logits, backend.asarray(y), reduction="sum") * (1.0 / max(1, total_count))
 
 

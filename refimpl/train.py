@@ -21,8 +21,10 @@ from dataclasses import asdict, dataclass
 
 from refimpl import backend
 from refimpl.autograd import no_grad, saved_tensors
+from refimpl.checkpointing import count_forward_calls
 from refimpl.console import Progress, emit_json, log
 from refimpl.data import SortTask, SpiralsTask, TextTask, accuracy
+from refimpl.memory import parse_bytes, memory_by_rank, track_replicated
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
@@ -56,6 +58,15 @@ class TrainConfig:
     collectives: str = "mpi"
     dp_mode: str = "bucketed"
     bucket_bytes: int = 1 << 20
+    # ZeRO, mixed precision, memory ledger, sharded checkpoints (refimpl/parallel/zero; docs/zero.md)
+    zero: int = 0
+    prefetch: int = 0
+    param_threshold: int = 0
+    mem_budget: int | None = None
+    save_dir: str | None = None
+    save_every: int = 0
+    resume: str | None = None
+    checkpoint: str = "none"  # activation checkpointing of the GPT's blocks (refimpl/checkpointing)
     # pipeline parallelism (refimpl/parallel/pipeline; docs/pipeline_parallel.md)
     pp: int = 1
     schedule: str | None = None
@@ -85,9 +96,25 @@ class TrainConfig:
             raise ValueError("--data trains a character-level GPT; use it with --model gpt")
         if self.pp < 1 or (self.micro_batches is not None and self.micro_batches < 1):
             raise ValueError(f"--pp and --micro-batches must be positive, got {self.pp} and {self.micro_batches}")
-        backend.check_dtype(self.dtype)
+        if self.checkpoint != "none":
+            from refimpl.checkpointing import parse_plan  # noqa: PLC0415
+
+            parse_plan(self.checkpoint)  # a clear error for a bad plan
+            if self.model != "gpt":
+                raise ValueError("--checkpoint applies to the GPT's transformer blocks; use it with --model gpt")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"unknown ZeRO stage {self.zero!r}; choose --zero 0 (data parallel), 1, 2 or 3")
+        if (self.zero or self.dtype == "mixed" or self.save_dir or self.resume) and (self.pp > 1 or self.schedule):
+            raise ValueError("--zero, --dtype mixed and sharded checkpoints do not combine with pipeline parallelism yet")
+        for name in ("prefetch", "param_threshold", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.mem_budget is not None and self.mem_budget <= 0:
+            raise ValueError(f"--mem-budget must be positive, got {self.mem_budget}")
+        if self.dtype != "mixed":  # mixed: float16 storage, float32 master weights (parallel/zero/precision.py)
+            backend.check_dtype(self.dtype)
         if self.dtype == "float16":
-            raise ValueError("--dtype float16 is not a training dtype; use float32 or float64")
+            raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
 
 
 def build_task(cfg: TrainConfig):
@@ -103,10 +130,15 @@ def build_task(cfg: TrainConfig):
 def build_model(cfg: TrainConfig, task):
     if cfg.model == "mlp":
         sizes = [task.n_features] + [cfg.d_model] * cfg.n_layer + [task.n_classes]
-        return MLPClassifier(sizes, seed=cfg.seed, activation="tanh", dtype=cfg.dtype)
+        return MLPClassifier(sizes, seed=cfg.seed, activation="tanh", dtype=model_dtype(cfg))
     config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                       d_model=cfg.d_model, dropout=cfg.dropout, dtype=cfg.dtype)
+                       d_model=cfg.d_model, dropout=cfg.dropout, dtype=model_dtype(cfg))
     return GPT(config, seed=cfg.seed)
+
+
+def model_dtype(cfg: TrainConfig) -> str:
+    """The parameters' dtype: float16 storage under --dtype mixed (float32 master weights live in ZeRO)."""
+    return "float16" if cfg.dtype == "mixed" else cfg.dtype
 
 
 def build_optimizer(cfg: TrainConfig, params):
@@ -125,13 +157,14 @@ class LocalTrainer:
         self.model, self.optimizer, self.grad_accum, self.clip = model, optimizer, grad_accum, clip
         self.record_grads = False
         self.last_grads: dict = {}
+        self.steps_done = 0  # the global batch's number, for split-independent dropout masks
 
     def step(self, x, y) -> float:
         """Forward and backward over grad_accum micro-batches, clip, step, zero grads; return the loss."""
         total = count_targets(y)
         loss_value = 0.0
-        for xm, ym in split_batch(x, y, self.grad_accum, "micro-batches (--grad-accum)"):
-            loss = micro_batch_loss(self.model, xm, ym, total)
+        for i, (xm, ym) in enumerate(split_batch(x, y, self.grad_accum, "micro-batches (--grad-accum)")):
+            loss = micro_batch_loss(self.model, xm, ym, total, rows=(i * len(xm), len(x), self.steps_done))
             loss.backward()
             loss_value += float(loss.item())
         if self.clip > 0:
@@ -140,6 +173,7 @@ class LocalTrainer:
             self.last_grads = {name: backend.to_host(p.grad).copy() for name, p in self.model.named_parameters()}
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self.steps_done += 1
         return loss_value
 
     def full_parameters(self) -> dict:
@@ -174,12 +208,25 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
         return PipelineTrainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg), cfg.pp,
                                cfg.schedule or "1f1b", cfg.micro_batches, cfg.chunks, cfg.clip,
                                getattr(cfg, "checkpoint", None), cfg.action_costs, cfg.trace, cfg.grad_accum)
+    if cfg.checkpoint != "none":
+        from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415
+
+        apply_to_gpt(model, cfg.checkpoint)
+    if cfg.zero or cfg.dtype == "mixed":  # ZeRO stages (mixed precision needs ZeRO's master weights)
+        from refimpl.parallel.zero import make_zero_trainer  # noqa: PLC0415
+
+        return make_zero_trainer(cfg.zero, model, build_optimizer(cfg, []), world, precision=cfg.dtype,
+                                 grad_accum=cfg.grad_accum, clip=cfg.clip, bucket_bytes=cfg.bucket_bytes,
+                                 budget=cfg.mem_budget, prefetch_bytes=cfg.prefetch, param_threshold=cfg.param_threshold)
     optimizer = build_optimizer(cfg, model.parameters())
     if world is None or (distributed is None and world.size == 1) or distributed is False:
-        return LocalTrainer(model, optimizer, cfg.grad_accum, cfg.clip)
-    from refimpl.parallel.data_parallel import DataParallelTrainer  # noqa: PLC0415
+        trainer = LocalTrainer(model, optimizer, cfg.grad_accum, cfg.clip)
+    else:
+        from refimpl.parallel.data_parallel import DataParallelTrainer  # noqa: PLC0415
 
-    return DataParallelTrainer(model, optimizer, world, cfg.grad_accum, cfg.clip, cfg.dp_mode, cfg.bucket_bytes)
+        trainer = DataParallelTrainer(model, optimizer, world, cfg.grad_accum, cfg.clip, cfg.dp_mode, cfg.bucket_bytes)
+    trainer.ledger = track_replicated(model, optimizer, cfg.mem_budget, trainer.rank)  # memory by category
+    return trainer
 
 
 def get_world(cfg: TrainConfig):
@@ -208,23 +255,32 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     if world is not None:
         check_same_config(world, cfg)
     trainer = make_trainer(cfg, model, world)
+    start_step = 0
+    if cfg.resume or cfg.save_dir:  # sharded checkpoints (parallel/zero/checkpoint.py)
+        from refimpl.parallel.zero import checkpoint as sharded  # noqa: PLC0415
+
+        start_step = sharded.resume(trainer, model, cfg, world) if cfg.resume else 0
     progress = progress and trainer.rank == 0
     bar = Progress(cfg.steps, label=f"train {cfg.model}", enabled=progress)
     saved_tensors.reset_peak()
     peak_activation_bytes = 0
     examples = tokens = 0
     losses = []
-    start = time.perf_counter()
-    for step in range(cfg.steps):
-        x, y = task.batch(step, cfg.batch_size)
-        saved_tensors.reset_peak()
-        loss = trainer.step(x, y)
-        peak_activation_bytes = max(peak_activation_bytes, saved_tensors.peak_bytes)
-        losses.append(loss)
-        examples += len(x)
-        tokens += x.size if cfg.model == "gpt" else 0
-        bar.update(step + 1, loss=loss)
-    elapsed = time.perf_counter() - start
+    count_blocks = cfg.model == "gpt" and cfg.pp == 1 and cfg.schedule is None
+    with count_forward_calls(model.blocks if count_blocks else []) as block_calls:
+        start = time.perf_counter()
+        for step in range(start_step, cfg.steps):
+            x, y = task.batch(step, cfg.batch_size)
+            saved_tensors.reset_peak()
+            loss = trainer.step(x, y)
+            peak_activation_bytes = max(peak_activation_bytes, saved_tensors.peak_bytes)
+            losses.append(loss)
+            examples += len(x)
+            tokens += x.size if cfg.model == "gpt" else 0
+            bar.update(step + 1, loss=loss)
+            if cfg.save_dir:
+                sharded.maybe_save(trainer, model, cfg, step + 1, world)
+        elapsed = time.perf_counter() - start
     if hasattr(trainer, "gather_model"):  # the model lives in parts on several ranks (pipeline)
         trainer.gather_model(model)
     eval_loss, acc = evaluate(model, task)
@@ -238,6 +294,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         "samples_per_s": examples / elapsed,
         "tokens_per_s": tokens / elapsed if cfg.model == "gpt" else None,
         "peak_activation_bytes": peak_activation_bytes,
+        # block forwards per block per micro-batch: 1 without checkpointing, more with recomputation
+        "forward_calls_per_layer": block_calls.total / (cfg.n_layer * cfg.steps * cfg.grad_accum) if count_blocks else None,
         "n_params": model.num_parameters(),
         "world_size": trainer.world_size,
         "config": asdict(cfg),
@@ -245,6 +303,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     summary.update(trainer.report())
     if world is not None:
         summary["bytes_sent"] = world.counters_by_rank()  # per rank, by kind of call
+    summary.update(memory_by_rank(trainer, world))  # model_state_bytes and peaks, per rank and category
     summary["_model"] = model
     return summary
 
@@ -255,7 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (gpt 400, mlp 600)")
     p.add_argument("--batch-size", type=int, help="global batch size, split over ranks and micro-batches")
     p.add_argument("--lr", type=float, help="learning rate (gpt 3e-3, mlp 1e-2)")
-    p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    p.add_argument("--dtype", default="float32", help="float32, float64 or mixed (float16 storage, float32 master "
+                   "weights, loss scaling; needs the ZeRO trainers) (default float32)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument("--n-layer", type=int, help="transformer blocks, or MLP hidden layers (default 2)")
     p.add_argument("--d-model", type=int, help="model width (default 64)")
@@ -280,8 +340,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--action-costs", metavar="F=0.02,I=0.02,W=0.02",
                    help="pipeline sleep-cost mode: pad every step to these seconds (B=I+W, FB=F+B unless given)")
     p.add_argument("--trace", metavar="FILE", help="write the last step's measured pipeline timeline (Chrome trace)")
+    p.add_argument("--zero", type=int, default=0, metavar="STAGE",
+                   help="ZeRO stage: 0 data parallel, 1 shard optimizer states, 2 + gradients, 3 + parameters")
+    p.add_argument("--prefetch", type=parse_bytes, default=0, metavar="BYTES",
+                   help="ZeRO-3: bytes of the next modules' parameters to gather ahead (default 0: on demand)")
+    p.add_argument("--param-threshold", type=int, default=0, metavar="N",
+                   help="ZeRO-3: parameters with fewer than N elements stay whole on every rank (default 0)")
+    p.add_argument("--mem-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="per-rank memory budget, e.g. 200MB: exceeding it is an out-of-memory error")
+    p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints under DIR/step_NNNNNNNN/")
+    p.add_argument("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (default: at the end)")
+    p.add_argument("--resume", metavar="PATH", help="resume from a checkpoint directory (or the latest one under PATH)")
     p.add_argument("--backend", choices=backend.BACKENDS, default=None,
                    help="array module (default numpy, or $REFIMPL_BACKEND)")
+    p.add_argument("--checkpoint", default="none", metavar="PLAN",
+                   help="activation checkpointing of the GPT's blocks: none, sqrt, every:K, revolve:C, budget:BYTES")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
 
 

@@ -109,3 +109,25 @@ def test_import_and_one_process_training_never_import_mpi4py():
             "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_dropout_masks_do_not_depend_on_how_the_batch_is_split():
+    base = dict(model="gpt", steps=2, batch_size=8, dtype="float64", n_layer=1, d_model=16, n_head=2, dropout=0.2)
+    whole = train(TrainConfig(**base, grad_accum=1), progress=False)
+    split = train(TrainConfig(**base, grad_accum=4), progress=False)
+    plain = train(TrainConfig(**dict(base, dropout=0.0)), progress=False)
+    for p, q, r in zip(whole["_model"].parameters(), split["_model"].parameters(), plain["_model"].parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-10, atol=1e-12)
+    assert not all(np.allclose(p.data, r.data) for p, r in zip(whole["_model"].parameters(),
+                                                               plain["_model"].parameters()))  # dropout acted
+
+
+def test_checkpoint_flag_reports_recomputation():
+    base = dict(model="gpt", steps=2, batch_size=4, n_layer=4, d_model=16, n_head=2)
+    none = train(TrainConfig(**base), progress=False)
+    sqrt = train(TrainConfig(**base, checkpoint="sqrt"), progress=False)
+    assert none["forward_calls_per_layer"] == 1.0
+    assert sqrt["forward_calls_per_layer"] == 1.5  # n = 4: segments of 2, the first re-run: 2 extra of 4
+    assert sqrt["peak_activation_bytes"] < none["peak_activation_bytes"]
+    for p, q in zip(none["_model"].parameters(), sqrt["_model"].parameters()):
+        assert np.array_equal(p.data, q.data)  # recomputation is the same arithmetic

@@ -53,6 +53,7 @@ from refimpl.autograd import engine
 from refimpl.autograd.function import Function
 from refimpl.autograd.grad_mode import enable_grad, no_grad
 from refimpl.autograd.tensor import Parameter, Tensor
+from refimpl.nn import batch_rows
 
 from .state import RngReplay, capture_rng, check_all_declared, generators_of, parameters_of
 
@@ -88,6 +89,7 @@ class Checkpoint(RecomputingFunction):
 
     def forward(self, *arrays, fn, args, rng):
         self.fn, self.args, self.rng = fn, args, rng
+        self.rows = batch_rows.current()  # which rows of which batch: restored for the recomputation
         self.save_for_backward(*(a for a, arg in zip(arrays, args) if isinstance(arg, Tensor)))
         with no_grad():
             out = fn(*args)
@@ -108,7 +110,7 @@ class Checkpoint(RecomputingFunction):
             else:
                 args.append(arg)
         generators, states = self.rng
-        with enable_grad(), RngReplay(generators, states):
+        with enable_grad(), RngReplay(generators, states), batch_rows.restored(self.rows):
             out = self.fn(*args)
         outs = out if isinstance(out, tuple) else (out,)
         params = list(self.inputs[n_args:])

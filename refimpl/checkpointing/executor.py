@@ -33,6 +33,7 @@ from refimpl.autograd import engine
 from refimpl.autograd.grad_mode import enable_grad, no_grad
 from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
+from refimpl.nn import batch_rows
 
 from .actions import Advance, Backprop, Free, Record, Restore, Snapshot, forward_part
 from .checkpoint import RecomputingFunction
@@ -156,6 +157,7 @@ class ScheduledChain(RecomputingFunction):
                     x = run.call(k, x)
             return x.data
         self.save_for_backward(x0)
+        self.rows = batch_rows.current()  # which rows of which batch: restored for the recomputations
         run.x0_requires_grad = self.needs_input_grad[0]
         run.hand = (0, Tensor(x0))
         run.run(run.actions[:run.n_forward])
@@ -168,7 +170,8 @@ class ScheduledChain(RecomputingFunction):
                                "once; run its forward again for another backward")
         run.done = True
         run.grad = (len(run.layers), grad_outputs[0])
-        run.run(run.actions[run.n_forward:])
+        with batch_rows.restored(self.rows):
+            run.run(run.actions[run.n_forward:])
         return (run.grad[1],) + tuple(run.param_grads.get(id(p)) for p in self.params)
 
     def release(self) -> None:

@@ -15,6 +15,7 @@ from refimpl import backend
 from refimpl.autograd import ops
 from refimpl.autograd.tensor import Parameter, Tensor
 
+from . import batch_rows
 from . import functional as F
 from .module import Module, ModuleList
 
@@ -58,17 +59,45 @@ class Embedding(Module):
 
 
 class Dropout(Module):
-    """Dropout with its own seeded generator (the same seed gives the same masks)."""
+    """Dropout with seeded masks.
+
+    Inside a batch_rows context (trainers set one), the mask of global batch b is drawn for the
+    whole global batch from a generator seeded by (seed, b) and sliced to the rows being run, so it
+    does not depend on how the batch is split (see batch_rows.py). Elsewhere the module draws from
+    its own sequential generator.
+    """
 
     def __init__(self, p: float, seed: int = 0) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-        self.p = p
-        self.generator = np.random.default_rng(seed) if backend.name() == "numpy" else backend.xp().random.default_rng(seed)
+        self.p, self.seed = p, seed
+        self.generator = _generator(seed)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.dropout(x, self.p, self.generator, self.training)
+        rows = batch_rows.current()
+        if rows is None or not self.training or self.p == 0.0:
+            return F.dropout(x, self.p, self.generator, self.training)
+        return F.dropout(x, self.p, _RowsOfGlobalMask(self.seed, rows), self.training)
+
+
+class _RowsOfGlobalMask:
+    """A stand-in generator whose random((rows, ...)) returns rows start:stop of the global batch's draw."""
+
+    def __init__(self, seed: int, rows) -> None:
+        self.seed, self.rows = seed, rows
+
+    def random(self, shape):
+        r = self.rows
+        if shape[0] != r.stop - r.start:
+            raise ValueError(f"dropout: input has {shape[0]} rows but the batch context says {r.stop - r.start}")
+        full = _generator([self.seed, r.batch_id]).random((r.global_size,) + tuple(shape[1:]))
+        return full[r.start:r.stop]
+
+
+def _generator(seed):
+    xp = backend.xp()
+    return np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
 
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": ops.relu, "tanh": ops.tanh}

@@ -49,6 +49,7 @@ class DataParallelTrainer:
         self.world_size, self.rank = comm.size, comm.rank
         self.record_grads = False
         self.last_grads: dict = {}
+        self.steps_done = 0  # the global batch's number, for split-independent dropout masks
         self.buckets = _Buckets(model.parameters(), comm, bucket_bytes) if mode == "bucketed" else None
 
     def step(self, x, y) -> float:
@@ -57,10 +58,11 @@ class DataParallelTrainer:
         x_local, y_local = split_batch(x, y, self.world_size, "data-parallel ranks")[self.rank]
         micro = split_batch(x_local, y_local, self.grad_accum, "micro-batches per rank (--grad-accum)")
         loss_value = 0.0
+        first_row = self.rank * len(x_local)  # this rank's rows of the global batch
         for i, (xm, ym) in enumerate(micro):
             if self.buckets is not None:
                 self.buckets.sync = i == len(micro) - 1  # communicate on the last micro-batch only
-            loss = micro_batch_loss(self.model, xm, ym, total)
+            loss = micro_batch_loss(self.model, xm, ym, total, rows=(first_row + i * len(xm), len(x), self.steps_done))
             loss.backward()
             loss_value += float(loss.item())
         if self.buckets is not None:
@@ -76,6 +78,7 @@ class DataParallelTrainer:
             self.last_grads = {name: backend.to_host(p.grad).copy() for name, p in self.model.named_parameters()}
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self.steps_done += 1
         return self.comm.allreduce_value(loss_value)
 
     def full_parameters(self) -> dict:
