@@ -12,10 +12,16 @@
     render.py      text grid, SVG, PNG (matplotlib, optional), Chrome trace
     command.py     `python -m refimpl schedule ...`
 
-Nothing here imports MPI: an executor (under refimpl.parallel) runs these lists with
-`comm.py`. For every action it needs: `schedule.ranks[rank]` (its program), and
+    stage.py       the model cut into contiguous stages (GPT, MLP), balanced by layer count
+    executor.py    runs one rank's list over a communicator: one posted receive per channel,
+                   isend, F / B / I / W through the engine's two-half backward
+    trainer.py     PipelineTrainer: a dp x pp mesh, gradient groups (DualPipe's copies), clipping
+    timeline.py    measured vs simulated idle per rank, sleep-cost mode, Chrome trace
+
+Nothing here imports MPI: the executor runs these lists with a `comm.py` communicator that it is
+given. For every action it needs: `schedule.ranks[rank]` (its program), and
 `messages_of(schedule.placement, action)` (what to receive before and send after it); see
-docs/pipeline_schedules.md, "For executors".
+docs/pipeline_schedules.md, "For executors", and docs/pipeline_parallel.md.
 """
 
 from .actions import (

@@ -24,11 +24,11 @@ batch of B examples:
 So the step equals single-process training on the whole batch up to the order of floating-point
 sums; `verify` checks that to rtol 1e-10 in float64.
 
-With --zero 1 (ZeRO stage 1, Rajbhandari et al., arXiv 1910.02054, section 5.1) the gradient
-group of step 3 shards the optimizer state: a reduce-scatter gives each of its G ranks the summed
-gradient of 1/G of the stage's flat buffer, the rank steps that shard, and an all-gather returns
-the updated parameters — (P+G)Ψ_stage + KΨ_stage/G bytes of model state per rank, with the same
-2Ψ_stage(G−1)/G elements of communication as the all-reduce.
+ZeRO-1 inside the gradient group (Rajbhandari et al., arXiv 1910.02054, section 5.1) is not wired
+yet (docs/pipeline_parallel.md, section 8): it replaces the all-reduce of step 3 by a
+reduce-scatter of the flat buffer over the group's G ranks, a step of each rank's 1/G shard, and
+an all-gather of the updated parameters — (P+G)Ψ_rank + KΨ_rank/G bytes of model state per rank
+for the same 2Ψ_rank(G−1)/G elements of communication; `_reduce_and_step` is where it goes.
 
 Parameter memory per rank: Ψ·(stages held)/S, i.e. Ψ/pp (1F1B, ZB, interleaved, ZB-V, DualPipeV)
 or 2Ψ/pp (DualPipe's two copies). Activation memory per rank: the schedule's in-flight
@@ -130,20 +130,23 @@ class PipelineTrainer:
         pp_comm.barrier()
         record = self.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape, t0=time.perf_counter())
         self._collect_timing(record)
+        self._reduce_and_step()
+        return self.world.allreduce_value(record.loss)
 
+    def _reduce_and_step(self) -> None:
+        """Steps 3-5 of the module docstring: sum the copies' gradients, clip, step, zero."""
         if self.grad_comm.size > 1:  # dp replicas (and DualPipe's second copy) of our stages
             self.grad_comm.allreduce(self.flat_grad)
         if self.clip > 0:
             mine = [param.grad for s, stage in self.stages.items() if self.primary[s] == self.mesh.pp_index
                     for param in stage.parameters()]
-            coefficient = clip_coefficient(pp_comm.allreduce_value(squared_norm(mine)), self.clip)
+            coefficient = clip_coefficient(self.mesh.pp_comm.allreduce_value(squared_norm(mine)), self.clip)
             if coefficient < 1.0:
                 self.flat_grad *= coefficient
         if self.record_grads:
             self.last_grads = self._gather_to_rank0("grad")
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return self.world.allreduce_value(record.loss)
 
     def _collect_timing(self, record) -> None:
         """Every pipeline rank's figures of this step (one float64 all-gather); steps if tracing."""
