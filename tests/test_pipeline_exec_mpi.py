@@ -37,6 +37,9 @@ CHECKPOINTED = [dict(schedule="1f1b", pp=4, m=4, n_layer=8, checkpoint="sqrt"),
                 dict(schedule="dualpipe", pp=4, m=8, n_layer=8, checkpoint="every:2", collectives="ring"),
                 dict(schedule="zbv", pp=2, m=4, n_layer=8, checkpoint="budget:20KiB"),
                 dict(schedule="interleaved", pp=2, m=2, n_layer=16, checkpoint="sqrt", model="mlp")]
+# Dropout masks are keyed by (seed, global batch, row), so every split reproduces them, DualPipe's copies too.
+DROPOUT = [dict(schedule="dualpipe", pp=2, m=4, dropout=0.2), dict(schedule="zbv", pp=4, m=4, n_layer=8, dropout=0.1),
+           dict(schedule="1f1b", pp=2, m=2, dropout=0.1, checkpoint="sqrt", n_layer=4)]
 
 
 def launch(n: int, specs: list, timeout: float = 240) -> list:
@@ -53,7 +56,7 @@ def on_two():
 
 @pytest.fixture(scope="module")
 def on_four():
-    return launch(4, PP4 + DP2 + DP4 + CHECKPOINTED)
+    return launch(4, PP4 + DP2 + DP4 + CHECKPOINTED + DROPOUT)
 
 
 def _failures(results):
@@ -75,7 +78,12 @@ def test_every_schedule_at_pp4_and_on_a_dp2_x_pp2_mesh_equals_single_process_tra
 
 def test_checkpointing_inside_stages_equals_single_process_training(on_four):
     checkpointed = [r for r in on_four if r["spec"]["checkpoint"]]
-    assert len(checkpointed) == len(CHECKPOINTED) and all(r["ok"] for r in checkpointed)
+    assert len(checkpointed) == len(CHECKPOINTED) + 1 and all(r["ok"] for r in checkpointed)
+
+
+def test_dropout_masks_equal_single_process_training_for_every_split(on_four):
+    with_dropout = [r for r in on_four if r["spec"]["dropout"]]
+    assert len(with_dropout) == len(DROPOUT) and all(r["ok"] for r in with_dropout)
 
 
 def test_dualpipe_holds_two_copies_and_the_v_schedules_two_stages_per_rank(on_four):

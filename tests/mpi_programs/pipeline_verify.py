@@ -19,7 +19,8 @@ from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimize
 from refimpl.verify import compare
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=2, m=4, chunks=None, n_layer=4, d_model=8, n_head=2, seq_len=8,
-                batch=None, steps=2, clip=1.0, checkpoint=None, optimizer="adamw", collectives="mpi")
+                batch=None, steps=2, clip=1.0, checkpoint=None, optimizer="adamw", collectives="mpi",
+                dropout=0.0)
 
 
 def run(world, spec: dict) -> dict:
@@ -28,7 +29,7 @@ def run(world, spec: dict) -> dict:
     batch = c["batch"] or dp * c["m"] * 2
     cfg = TrainConfig(model=c["model"], dtype="float64", n_layer=c["n_layer"], d_model=c["d_model"],
                       n_head=c["n_head"], seq_len=c["seq_len"], batch_size=batch, clip=c["clip"],
-                      optimizer=c["optimizer"], collectives=c["collectives"], lr=1e-2)
+                      optimizer=c["optimizer"], collectives=c["collectives"], lr=1e-2, dropout=c["dropout"])
     task = build_task(cfg)
     comm = world.with_collectives(c["collectives"])
     trainer = PipelineTrainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), comm, c["pp"], c["schedule"],

@@ -69,7 +69,8 @@ step's cost.
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from refimpl import backend
@@ -162,7 +163,7 @@ class PipelineExecutor:
                 self._channel_of[msg] = channel
 
     # ------------------------------------------------------------------------------------------
-    def run(self, inputs, loss_fn, x_shape: tuple, t0: float | None = None) -> RunRecord:
+    def run(self, inputs, loss_fn, x_shape: tuple, t0: float | None = None, forward_context=None) -> RunRecord:
         """Run this rank's program once (one optimizer step's worth of micro-batches).
 
         inputs(mb)       the micro-batch input (token ids (b, T) or features (b, d)); asked only
@@ -170,12 +171,15 @@ class PipelineExecutor:
         loss_fn(y, mb)   the micro-batch's loss Tensor (scalar) from the last stage's output
         x_shape          shape of one micro-batch input: fixes every message's shape
         t0               the clock value that counts as time 0 (default: now)
+        forward_context  forward_context(mb) -> a context manager around every forward of mb (the
+                         trainer says which rows of the global batch mb holds: dropout masks)
         """
         xp = backend.xp()
         clock = time.perf_counter
         t0 = clock() if t0 is None else t0
         record = RunRecord()
         self._inputs, self._loss_fn, self._x_shape, self._record = inputs, loss_fn, tuple(x_shape), record
+        self._context = forward_context or (lambda mb: nullcontext())
         self._inbox: dict[tuple, object] = {}  # (kind, stage, mb) -> array handed to that stage
         self._outbox: dict[tuple, object] = {}  # (kind, src stage, mb) -> array to send
         self._kept: dict[tuple, tuple] = {}  # (stage, mb) -> (x_in leaf or None, y or loss)
@@ -257,10 +261,13 @@ class PipelineExecutor:
         if action.kind == "F":
             before = saved_tensors.live_bytes
             if stage.is_first:
-                x_in, y = None, stage(self._inputs(mb))
+                x_in = None
+                with self._context(mb):
+                    y = stage(self._inputs(mb))
             else:
                 x_in = Tensor(self._inbox.pop(("act", s, mb)), requires_grad=True)  # a leaf: its .grad goes back
-                y = stage(x_in)
+                with self._context(mb):
+                    y = stage(x_in)
             if stage.is_last:
                 loss = self._loss_fn(y, mb)
                 self._record.loss += float(loss.item())

@@ -46,6 +46,7 @@ import time
 from refimpl import backend
 from refimpl.autograd.saved import saved_tensors
 from refimpl.nn import functional as F
+from refimpl.nn.batch_rows import batch_rows
 from refimpl.objective import count_targets, split_batch
 from refimpl.optim.clip import clip_coefficient, squared_norm
 
@@ -107,6 +108,7 @@ class PipelineTrainer:
         self.optimizer = make_optimizer(self.params)
         self.record_grads = False
         self.last_grads: dict = {}
+        self.steps_done = 0  # the global batch's number (dropout masks are keyed by it)
         self.last_stats = None  # (pp, len(STAT_FIELDS)) figures of the last step, this pipeline's ranks
         self.last_steps = None  # every rank's StepTime list of the last step (only with a trace)
 
@@ -121,6 +123,11 @@ class PipelineTrainer:
         x_local, y_local = split_batch(x, y, self.dp, "data-parallel replicas (world size / --pp)")[self.mesh.dp_index]
         micro = split_batch(x_local, y_local, self.schedule.micro_batches, "pipeline micro-batches (--micro-batches)")
         scale = 1.0 / max(1, total)
+        b, first_row = len(micro[0][0]), self.mesh.dp_index * len(x_local)
+
+        def rows(mb):  # rows of the global batch in micro-batch mb: dropout masks independent of the split
+            start = first_row + mb * b
+            return batch_rows(start, start + b, len(x), self.steps_done)
 
         def loss_fn(logits, mb):  # objective.micro_batch_loss, from the last stage's logits
             return F.cross_entropy(logits, backend.asarray(micro[mb][1]), reduction="sum") * scale
@@ -128,9 +135,11 @@ class PipelineTrainer:
         saved_tensors.reset_peak()
         pp_comm = self.mesh.pp_comm
         pp_comm.barrier()
-        record = self.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape, t0=time.perf_counter())
+        record = self.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape, t0=time.perf_counter(),
+                                   forward_context=rows)
         self._collect_timing(record)
         self._reduce_and_step()
+        self.steps_done += 1
         return self.world.allreduce_value(record.loss)
 
     def _reduce_and_step(self) -> None:
