@@ -208,8 +208,8 @@ def run_mpi(n: int, *args, timeout: float = 300, show: bool = True, check: bool 
         shown = [a if "\n" not in a else "PROGRAM" for a in map(str, args)]
         print(f"$ mpiexec -n {n} python {' '.join(shown)}")
         for stream in (done.stdout, done.stderr):
-            if stream.strip():
-                print(stream.rstrip())
+            for line in stream.rstrip().splitlines():
+                print(line if len(line) <= 400 else f"{line[:300]} ... ({len(line)} characters)")
     if check and done.returncode != 0:
         raise RuntimeError(f"mpiexec -n {n} exited with status {done.returncode}:\n{done.stderr[-2000:]}")
     return done

@@ -1,0 +1,83 @@
+"""Checks for tutorial 04 (data parallelism): the batch split, the loss each rank differentiates,
+and the gradient buckets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refimpl.autograd import Tensor
+from refimpl.data import IGNORE, SortTask
+from refimpl.nn import GPT, GPTConfig
+from refimpl.nn import functional as F
+from refimpl.objective import count_targets, split_batch
+from refimpl.parallel.comm import LocalComm
+from refimpl.parallel.data_parallel import _Buckets
+
+from . import Wrong, expect_close
+
+
+def check_rank_micro_batches(rank_micro_batches) -> None:
+    """Check: a rank's micro-batches."""
+    x = np.arange(24).reshape(12, 2)  # row i is [2i, 2i + 1]: easy to recognise
+    y = np.arange(12)
+    for world_size, grad_accum in [(1, 1), (2, 3), (3, 2), (4, 1), (2, 2)]:
+        for rank in range(world_size):
+            local = split_batch(x, y, world_size, "ranks")[rank]
+            expected = split_batch(*local, grad_accum, "micro-batches")
+            got = list(rank_micro_batches(x, y, world_size, rank, grad_accum))
+            if len(got) != len(expected):
+                raise Wrong(f"{world_size} ranks, grad_accum {grad_accum}: rank {rank} runs {grad_accum} "
+                            f"micro-batches, you returned {len(got)}")
+            for i, ((gx, gy), (ex, ey)) in enumerate(zip(got, expected)):
+                if not (np.array_equal(gx, ex) and np.array_equal(gy, ey)):
+                    raise Wrong(f"{world_size} ranks, grad_accum {grad_accum}: rank {rank}'s micro-batch {i} "
+                                f"should hold rows {list(ey)} of the global batch; yours holds {list(np.ravel(gy))}")
+
+
+def check_local_loss(local_loss) -> None:
+    """Check: the loss each rank differentiates."""
+    task = SortTask(length=3, seed=1)
+    x, y = task.batch(0, 6)
+    y[:2, 4:] = IGNORE  # ranks get different numbers of counted targets
+    y[5, 5] = IGNORE
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=1, n_head=2, d_model=8,
+                          dtype="float64"), seed=3)
+    F.cross_entropy(model(x), y).backward()  # the whole batch in one process: the reference
+    reference = {name: p.grad.copy() for name, p in model.named_parameters()}
+    model.zero_grad()
+    total = count_targets(y)
+    for world_size in (2, 3):
+        losses = []
+        for xs, ys in split_batch(x, y, world_size, "ranks"):
+            loss = local_loss(model, xs, ys, total)
+            if not isinstance(loss, Tensor) or loss.size != 1:
+                raise Wrong(f"return the scalar loss Tensor that this rank calls backward() on; got {loss!r}")
+            loss.backward()  # gradients accumulate: the sum over ranks, as the all-reduce computes
+            losses.append(loss.item())
+        for name, p in model.named_parameters():
+            try:
+                expect_close(p.grad, reference[name], f"the sum over {world_size} ranks of the gradient of {name}")
+            except Wrong as exc:
+                raise Wrong(f"{exc}. The ranks hold different numbers of counted targets, so each must divide by "
+                            f"the global batch's count ({total}), not by its own") from None
+        expect_close(sum(losses), F.cross_entropy(model(x), y).item(), "the sum of the ranks' losses")
+        model.zero_grad()
+
+
+def check_assign_buckets(assign_buckets) -> None:
+    """Check: gradient buckets."""
+    model = GPT(GPTConfig(vocab_size=11, seq_len=8, n_layer=2, n_head=2, d_model=16))
+    params = model.parameters()
+    sizes = [p.data.nbytes for p in params]
+    for bucket_bytes in (1, 1000, 4096, 10_000, 1 << 20):
+        copy = GPT(model.config)  # _Buckets rewires gradients into flat buffers: use a fresh model
+        buckets = _Buckets(copy.parameters(), LocalComm(), bucket_bytes)
+        position = {id(p): i for i, p in enumerate(copy.parameters())}
+        expected = [[position[id(p)] for p in group] for group in buckets.groups]
+        got = [list(g) for g in assign_buckets(list(sizes), bucket_bytes)]
+        if got != expected:
+            first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+            raise Wrong(f"with bucket_bytes={bucket_bytes} and the parameter sizes of a 2-layer GPT there are "
+                        f"{len(expected)} buckets and bucket {first} is "
+                        f"{expected[first] if first < len(expected) else 'absent'}; you made {len(got)} buckets, "
+                        f"and bucket {first} is {got[first] if first < len(got) else 'absent'}")
