@@ -104,8 +104,9 @@ class TrainConfig:
                 raise ValueError("--checkpoint applies to the GPT's transformer blocks; use it with --model gpt")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"unknown ZeRO stage {self.zero!r}; choose --zero 0 (data parallel), 1, 2 or 3")
-        if (self.zero or self.dtype == "mixed" or self.save_dir or self.resume) and (self.pp > 1 or self.schedule):
-            raise ValueError("--zero, --dtype mixed and sharded checkpoints do not combine with pipeline parallelism yet")
+        if (self.zero > 1 or self.dtype == "mixed" or self.save_dir or self.resume) and (self.pp > 1 or self.schedule):
+            raise ValueError("--zero 2/3, --dtype mixed and sharded checkpoints do not combine with pipeline parallelism "
+                             "yet (--zero 1 does: optimizer states sharded over each stage's data-parallel group)")
         for name in ("prefetch", "param_threshold", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -207,7 +208,7 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
 
         return PipelineTrainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg), cfg.pp,
                                cfg.schedule or "1f1b", cfg.micro_batches, cfg.chunks, cfg.clip,
-                               getattr(cfg, "checkpoint", None), cfg.action_costs, cfg.trace, cfg.grad_accum)
+                               cfg.checkpoint, cfg.action_costs, cfg.trace, cfg.grad_accum, cfg.zero, cfg.bucket_bytes)
     if cfg.checkpoint != "none":
         from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415
 

@@ -20,7 +20,7 @@ from refimpl.verify import compare
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=2, m=4, chunks=None, n_layer=4, d_model=8, n_head=2, seq_len=8,
                 batch=None, steps=2, clip=1.0, checkpoint=None, optimizer="adamw", collectives="mpi",
-                dropout=0.0)
+                dropout=0.0, zero=0, bucket_bytes=1 << 20)
 
 
 def run(world, spec: dict) -> dict:
@@ -33,7 +33,8 @@ def run(world, spec: dict) -> dict:
     task = build_task(cfg)
     comm = world.with_collectives(c["collectives"])
     trainer = PipelineTrainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), comm, c["pp"], c["schedule"],
-                              c["m"], c["chunks"], clip=cfg.clip, checkpoint=c["checkpoint"])
+                              c["m"], c["chunks"], clip=cfg.clip, checkpoint=c["checkpoint"], zero=c["zero"],
+                              bucket_bytes=c["bucket_bytes"])
     trainer.record_grads = True
     before = world.counters.snapshot()
     recorded = []
@@ -42,8 +43,12 @@ def run(world, spec: dict) -> dict:
         loss = trainer.step(x, y)
         recorded.append((loss, trainer.last_grads, trainer.full_parameters()))
     p2p = trainer.mesh.pp_comm.counters.snapshot()
+    group = trainer.grad_comm.counters.snapshot()
     counters = world.allgather_object({"send": p2p.get("send", {"bytes": 0, "calls": 0}),
-                                       "recv": p2p.get("recv", {"calls": 0})})
+                                       "recv": p2p.get("recv", {"calls": 0}),
+                                       "group": {k: group[k] for k in ("allreduce", "reduce_scatter", "allgather")
+                                                 if k in group},
+                                       "padded": [g.length for g in trainer.zero1.groups] if trainer.zero1 else None})
     result = {"spec": c, "dp": dp, "counters": counters, "report": trainer.report()["pipeline"]}
     if world.rank == 0:
         model = build_model(cfg, task)

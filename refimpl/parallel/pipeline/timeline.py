@@ -47,14 +47,16 @@ import numpy as np
 from .simulate import Costs, simulate
 
 KINDS = ("F", "B", "I", "W", "F&B")
+MODEL_STATE = ("parameters", "gradients", "optimizer_states")
 STAT_FIELDS = ("end", "busy", "overruns", "peak_bytes", "replay_peak_w", "replay_peak_i") + tuple(
-    f"{what}_{kind}" for kind in KINDS for what in ("n", "sum"))
+    f"{what}_{kind}" for kind in KINDS for what in ("n", "sum")) + tuple(f"{k}_bytes" for k in MODEL_STATE)
 
 
-def rank_stats(record, peak_bytes: int, replay_w: int, replay_i: int) -> np.ndarray:
+def rank_stats(record, peak_bytes: int, replay_w: int, replay_i: int, model_state: dict | None = None) -> np.ndarray:
     """This rank's figures of one step as a (len(STAT_FIELDS),) float64 vector."""
     values = {"end": record.end, "busy": record.busy, "overruns": record.overruns, "peak_bytes": peak_bytes,
               "replay_peak_w": replay_w, "replay_peak_i": replay_i}
+    values.update({f"{k}_bytes": (model_state or {}).get(k, 0) for k in MODEL_STATE})
     for kind in KINDS:
         times = [s.end - s.start for s in record.steps if s.kind == kind]
         values[f"n_{kind}"], values[f"sum_{kind}"] = len(times), sum(times)
@@ -113,6 +115,7 @@ def summarize(schedule, stats: np.ndarray, mode: str) -> dict:
         "replayed_peak_bytes_freed_at_w": [int(v) for v in stats[:, col["replay_peak_w"]]],
         "replayed_peak_bytes_freed_at_i": [int(v) for v in stats[:, col["replay_peak_i"]]],
         "simulated_peak_activations": list(timeline.peak_activations),
+        "model_state_bytes": {k: [int(v) for v in stats[:, col[f"{k}_bytes"]]] for k in MODEL_STATE},
     }
 
 

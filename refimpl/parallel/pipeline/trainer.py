@@ -24,11 +24,12 @@ batch of B examples:
 So the step equals single-process training on the whole batch up to the order of floating-point
 sums; `verify` checks that to rtol 1e-10 in float64.
 
-ZeRO-1 inside the gradient group (Rajbhandari et al., arXiv 1910.02054, section 5.1) is not wired
-yet (docs/pipeline_parallel.md, section 8): it replaces the all-reduce of step 3 by a
-reduce-scatter of the flat buffer over the group's G ranks, a step of each rank's 1/G shard, and
-an all-gather of the updated parameters — (P+G)Ψ_rank + KΨ_rank/G bytes of model state per rank
-for the same 2Ψ_rank(G−1)/G elements of communication; `_reduce_and_step` is where it goes.
+With --zero 1 (ZeRO stage 1, Rajbhandari et al., arXiv 1910.02054, section 5.1; zero1.py) step 3
+shards the optimizer state over the gradient group's G ranks instead: a reduce-scatter gives each
+rank the summed gradient of 1/G of the flat (padded) buffers, the rank updates that block with
+optimizer state for it alone, and an all-gather returns the updated parameters —
+(P+G)Ψ_rank + KΨ_rank/G bytes of model state per rank for the same 2Ψ_rank(G−1)/G elements of
+communication as the all-reduce.
 
 Parameter memory per rank: Ψ·(stages held)/S, i.e. Ψ/pp (1F1B, ZB, interleaved, ZB-V, DualPipeV)
 or 2Ψ/pp (DualPipe's two copies). Activation memory per rank: the schedule's in-flight
@@ -56,6 +57,7 @@ from .executor import PipelineExecutor, replay_peak
 from .schedules import build
 from .simulate import Costs
 from .stage import split_model
+from .zero1 import StageZero1
 from .validate import validate
 
 
@@ -68,10 +70,13 @@ class PipelineTrainer:
 
     def __init__(self, model, make_optimizer, world, pp: int, schedule: str = "1f1b", micro_batches: int | None = None,
                  chunks: int | None = None, clip: float = 0.0, checkpoint=None, action_costs: str | None = None,
-                 trace: str | None = None, grad_accum: int = 1) -> None:
+                 trace: str | None = None, grad_accum: int = 1, zero: int = 0, bucket_bytes: int = 1 << 20) -> None:
         if grad_accum != 1:
             raise ValueError(f"--grad-accum {grad_accum} does not apply to a pipeline: its --micro-batches are the "
                              "accumulation; use --grad-accum 1")
+        if zero not in (0, 1):
+            raise ValueError(f"--zero {zero} does not compose with pipeline parallelism here; use --zero 1 (optimizer "
+                             "states sharded over each stage's data-parallel group) or --zero 0")
         if not isinstance(pp, int) or pp < 1:
             raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
         self.mesh = Mesh(world, pp=pp)  # raises the same clear error on every rank if pp does not divide N
@@ -98,14 +103,21 @@ class PipelineTrainer:
         mates = self.grad_comm.allgather_object(sorted(self.stages))
         if any(m != mates[0] for m in mates):
             raise ValueError(f"{schedule}: ranks that share a stage hold different stage sets {mates}")
-        # One flat gradient buffer; every parameter's .grad is a view into it (backward does +=).
-        xp = backend.xp()
-        self.flat_grad = xp.zeros(sum(param.size for param in self.params), dtype=self.params[0].dtype)  # (Ψ_rank,)
-        offset = 0
-        for param in self.params:
-            param.grad = self.flat_grad[offset:offset + param.size].reshape(param.shape)
-            offset += param.size
-        self.optimizer = make_optimizer(self.params)
+        self.color, self.zero = color, zero
+        named = [(name, param) for s in sorted(self.stages) for name, param in self.stages[s].named_parameters()]
+        if zero == 1:  # flat padded buffers, optimizer state for 1/G of them (zero1.py)
+            self.zero1 = StageZero1(named, self.grad_comm, make_optimizer([]), bucket_bytes, world.rank)
+            self.optimizer = self.zero1.optimizer
+        else:
+            # One flat gradient buffer; every parameter's .grad is a view into it (backward does +=).
+            self.zero1 = None
+            xp = backend.xp()
+            self.flat_grad = xp.zeros(sum(param.size for param in self.params), dtype=self.params[0].dtype)  # (Ψ_rank,)
+            offset = 0
+            for param in self.params:
+                param.grad = self.flat_grad[offset:offset + param.size].reshape(param.shape)
+                offset += param.size
+            self.optimizer = make_optimizer(self.params)
         self.record_grads = False
         self.last_grads: dict = {}
         self.steps_done = 0  # the global batch's number (dropout masks are keyed by it)
@@ -144,6 +156,8 @@ class PipelineTrainer:
 
     def _reduce_and_step(self) -> None:
         """Steps 3-5 of the module docstring: sum the copies' gradients, clip, step, zero."""
+        if self.zero1 is not None:
+            return self._reduce_and_step_zero1()
         if self.grad_comm.size > 1:  # dp replicas (and DualPipe's second copy) of our stages
             self.grad_comm.allreduce(self.flat_grad)
         if self.clip > 0:
@@ -157,12 +171,36 @@ class PipelineTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
 
+    def _reduce_and_step_zero1(self) -> None:
+        """ZeRO-1: reduce-scatter, clip the blocks by the global norm, step the blocks, all-gather."""
+        blocks = self.zero1.reduce_scatter()
+        if self.clip > 0:
+            group = self.zero1.group_squared_norm(blocks)  # the group's stages, each once
+            counted = group if self.mesh.pp_index == self.color else 0.0  # DualPipe's mirrored rank: not twice
+            coefficient = clip_coefficient(self.mesh.pp_comm.allreduce_value(counted), self.clip)
+            if coefficient < 1.0:
+                for block in blocks:
+                    block *= coefficient
+        if self.record_grads:
+            self.zero1.write_whole_gradients(blocks)
+            self.last_grads = self._gather_to_rank0("grad")
+        self.zero1.step(blocks)
+
+    def model_state_bytes(self) -> dict:
+        """{"parameters", "gradients", "optimizer_states"}: bytes of model state this rank holds."""
+        if self.zero1 is not None:
+            return self.zero1.model_state_bytes()
+        states = [v for state in self.optimizer.state for v in state.values() if hasattr(v, "nbytes")]
+        return {"parameters": sum(p.data.nbytes for p in self.params), "gradients": int(self.flat_grad.nbytes),
+                "optimizer_states": sum(int(v.nbytes) for v in states)}
+
     def _collect_timing(self, record) -> None:
         """Every pipeline rank's figures of this step (one float64 all-gather); steps if tracing."""
         p = self.mesh.pp_index
         stats = tl.rank_stats(record, saved_tensors.peak_bytes,
                               replay_peak(self.schedule, p, record.activation_bytes, "W"),
-                              replay_peak(self.schedule, p, record.activation_bytes, "I"))
+                              replay_peak(self.schedule, p, record.activation_bytes, "I"),
+                              self.model_state_bytes())
         gathered = self.mesh.pp_comm.allgather(stats)  # (pp · fields,)
         self.last_stats = gathered.reshape(self.pp, len(tl.STAT_FIELDS))
         if self.trace:
@@ -237,6 +275,8 @@ class PipelineTrainer:
             "layers_per_stage": [stage.stop - stage.start for _, stage in sorted(self.all_stages.items())],
             "stages_of_rank": [list(placement.stages_of(r)) for r in range(self.pp)],
             "parameters_of_rank": [sum(sizes[s] for s in placement.stages_of(r)) for r in range(self.pp)],
+            "zero": self.zero,
+            "gradient_group": self.grad_comm.size,
         }
         timing = self.timing()
         if timing is not None:
