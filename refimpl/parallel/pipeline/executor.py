@@ -123,8 +123,9 @@ class _Channel:
 
     def __init__(self, source: int, tag: int) -> None:
         self.source, self.tag = source, tag
-        self.queue: deque[Message] = deque()
-        self.request = None
+        self.queue: list[Message] = []  # every message of one run, in the order this rank takes them
+        self.pending: deque[Message] = deque()  # during a run: those not yet taken (the head is posted)
+        self.request = None  # the posted receive of pending[0]
 
 
 class PipelineExecutor:
@@ -155,7 +156,8 @@ class PipelineExecutor:
                 r, s = messages_of(placement, action)
                 recvs += r
                 sends += s
-            self.program.append((step, recvs, sends))
+            kind = "F&B" if isinstance(step, Overlapped) else step.kind
+            self.program.append((step, recvs, sends, step_label(schedule, step), kind))
             for msg in recvs:
                 key = (msg.src, channel_tag(msg, S))
                 channel = self.channels.setdefault(key, _Channel(*key))
@@ -186,12 +188,11 @@ class PipelineExecutor:
         self._work: dict[tuple, object] = {}  # (stage, mb) -> WeightGradWork of its I
         self._act_sends: dict[tuple, object] = {}  # (stage, mb) -> isend request of y
         self._other_sends: list = []
-        queues = {key: deque(ch.queue) for key, ch in self.channels.items()}
-        for key, channel in self.channels.items():
-            channel.pending = queues[key]
+        for channel in self.channels.values():
+            channel.pending = deque(channel.queue)
             self._post_head(channel, xp)
 
-        for step, recvs, sends in self.program:
+        for step, recvs, sends, label, kind in self.program:
             for msg in recvs:
                 self._take(msg, xp)
             start = clock()
@@ -207,8 +208,7 @@ class PipelineExecutor:
             end = clock()
             for msg in sends:
                 self._send(msg)
-            kind = "F&B" if isinstance(step, Overlapped) else step.kind
-            record.steps.append(StepTime(step_label(self.schedule, step), kind, start - t0, end - t0, compute))
+            record.steps.append(StepTime(label, kind, start - t0, end - t0, compute))
             self._other_sends = [r for r in self._other_sends if not r.test()]  # let MPI progress
         for request in list(self._act_sends.values()) + self._other_sends:
             request.wait()

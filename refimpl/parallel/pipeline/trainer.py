@@ -82,7 +82,8 @@ class PipelineTrainer:
         self.mesh = Mesh(world, pp=pp)  # raises the same clear error on every rank if pp does not divide N
         micro_batches = 2 * pp if micro_batches is None else micro_batches
         self.schedule = build(schedule, pp, micro_batches, chunks)  # the generator's constraint errors
-        validate(self.schedule)
+        if not validate(self.schedule).per_channel_ok:  # the executor's receive policy (executor.py) must complete
+            raise ValueError(f"{schedule}: its lists deadlock with one posted receive per channel; see validate.py")
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.pp, self.dp, self.clip, self.trace = pp, self.mesh.dp, clip, trace
         self.costs = action_costs if isinstance(action_costs, Costs) else tl.parse_costs(action_costs)
