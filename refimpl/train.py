@@ -105,8 +105,9 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"unknown ZeRO stage {self.zero!r}; choose --zero 0 (data parallel), 1, 2 or 3")
         if (self.zero > 1 or self.dtype == "mixed" or self.save_dir or self.resume) and (self.pp > 1 or self.schedule):
-            raise ValueError("--zero 2/3, --dtype mixed and sharded checkpoints do not combine with pipeline parallelism "
-                             "yet (--zero 1 does: optimizer states sharded over each stage's data-parallel group)")
+            raise ValueError("--zero 2/3, --dtype mixed and sharded checkpoints do not combine with pipeline "
+                             "parallelism yet (--zero 1 does: optimizer states sharded over each stage's "
+                             "data-parallel group)")
         for name in ("prefetch", "param_threshold", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

@@ -44,7 +44,8 @@ DROPOUT = [dict(schedule="dualpipe", pp=2, m=4, dropout=0.2), dict(schedule="zbv
 
 # ZeRO-1 inside the gradient groups: dp 2 (G = 2), DualPipe's mirrored pair (G = 2 at dp 1, G = 4 at dp 2),
 # several flat buckets, clipping, checkpointing.
-ZERO1 = [dict(schedule="1f1b", pp=2, m=4, zero=1), dict(schedule="zbv", pp=2, m=4, zero=1, clip=0.05, bucket_bytes=3000),
+ZERO1 = [dict(schedule="1f1b", pp=2, m=4, zero=1),
+         dict(schedule="zbv", pp=2, m=4, zero=1, clip=0.05, bucket_bytes=3000),
          dict(schedule="dualpipe", pp=2, m=4, zero=1, bucket_bytes=2000), dict(schedule="dualpipe", pp=4, m=8, zero=1),
          dict(schedule="zb1p", pp=2, m=2, zero=1, checkpoint="sqrt", optimizer="sgd"),
          dict(schedule="interleaved", pp=1, m=2, zero=1, n_layer=4)]
@@ -157,7 +158,8 @@ def pipeline_configs(draw):
         model = draw(st.sampled_from(["gpt", "mlp"]))
         least = stages if model == "gpt" else stages - 1
         specs.append(dict(schedule=name, pp=pp, m=m, model=model, n_layer=draw(st.integers(least, least + 2)),
-                          clip=draw(st.sampled_from([0.0, 0.05, 1.0])), optimizer=draw(st.sampled_from(["adamw", "sgd"])),
+                          clip=draw(st.sampled_from([0.0, 0.05, 1.0])),
+                          optimizer=draw(st.sampled_from(["adamw", "sgd"])),
                           collectives=draw(st.sampled_from(["mpi", "ring"])), steps=2))
     return specs
 

@@ -113,7 +113,8 @@ class PipelineTrainer:
             # One flat gradient buffer; every parameter's .grad is a view into it (backward does +=).
             self.zero1 = None
             xp = backend.xp()
-            self.flat_grad = xp.zeros(sum(param.size for param in self.params), dtype=self.params[0].dtype)  # (Ψ_rank,)
+            size = sum(param.size for param in self.params)
+            self.flat_grad = xp.zeros(size, dtype=self.params[0].dtype)  # (Ψ_rank,)
             offset = 0
             for param in self.params:
                 param.grad = self.flat_grad[offset:offset + param.size].reshape(param.shape)
