@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refimpl import backend
 from refimpl.autograd import no_grad
 from refimpl.autograd.saved import saved_tensors
+from refimpl.nn import functional as F
 from refimpl.parallel.comm import LocalComm
 from refimpl.parallel.pipeline import Costs, build, simulate, step_messages
 from refimpl.parallel.pipeline import timeline as tl
@@ -188,7 +190,7 @@ def test_chrome_trace_has_one_event_per_step_per_rank_for_both_timelines():
     _, records = _records_from_simulation(schedule, Costs(F=1, I=1, W=1))
     trace = tl.chrome_trace(schedule, [r.steps for r in records], "synthetic")
     for pid in (0, 1):
-        events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid]
+        events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid and e["cat"] != "part"]
         for rank in range(4):
             mine = sorted((e for e in events if e["tid"] == rank), key=lambda e: e["ts"])
             assert len(mine) == len(schedule.ranks[rank])
@@ -203,3 +205,21 @@ def test_action_costs_parse_and_refuse_bad_values():
     for bad in ("F=0", "F=-1", "X=1", "F=120"):
         with pytest.raises(ValueError):
             tl.parse_costs(bad)
+
+
+def test_an_overlapped_step_records_its_two_actions_inside_it():
+    cfg, task, net = small("gpt", 4, batch_size=8)
+    trainer = PipelineTrainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), 1, "dualpipev", 4, trace=None)
+    x, y = task.batch(0, 8)
+    micro = [(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) for i in range(4)]
+
+    def loss_fn(logits, mb):
+        return F.cross_entropy(logits, backend.asarray(micro[mb][1]), reduction="sum") * (1.0 / y.size)
+
+    record = trainer.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape)
+    pairs = [s for s in record.steps if s.kind == "F&B"]
+    assert pairs and all(len(s.parts) == 2 for s in pairs)
+    for s in pairs:
+        (f, f0, f1), (b, b0, b1) = s.parts
+        assert f.startswith("F") and b.startswith("B") and s.start <= f0 <= f1 <= b0 <= b1 <= s.end
+    assert all(s.parts == () for s in record.steps if s.kind != "F&B")

@@ -78,7 +78,7 @@ from refimpl.autograd import engine
 from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
 
-from .actions import Action, Message, Overlapped, Schedule, messages_of
+from .actions import Action, Message, Overlapped, Schedule, format_action, messages_of
 from .render import step_label
 
 KIND_INDEX = {"act": 0, "grad": 1}
@@ -98,6 +98,7 @@ class StepTime:
     start: float
     end: float
     compute: float  # seconds of real computation inside [start, end] (the rest is the cost sleep)
+    parts: tuple = ()  # F&B: ((label, start, end) of the F, of the B), run one after the other
 
 
 @dataclass
@@ -196,8 +197,11 @@ class PipelineExecutor:
             for msg in recvs:
                 self._take(msg, xp)
             start = clock()
+            parts = []
             for action in step.parts:
+                begin = clock()
                 self._do(action)
+                parts.append((format_action(action, short=True), begin - t0, clock() - t0))
             compute = clock() - start
             if self.costs is not None:
                 cost = float(self.costs.of(step))
@@ -208,7 +212,8 @@ class PipelineExecutor:
             end = clock()
             for msg in sends:
                 self._send(msg)
-            record.steps.append(StepTime(label, kind, start - t0, end - t0, compute))
+            record.steps.append(StepTime(label, kind, start - t0, end - t0, compute,
+                                         tuple(parts) if len(parts) > 1 else ()))
             self._other_sends = [r for r in self._other_sends if not r.test()]  # let MPI progress
         for request in list(self._act_sends.values()) + self._other_sends:
             request.wait()

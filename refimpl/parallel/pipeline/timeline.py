@@ -121,7 +121,8 @@ def summarize(schedule, stats: np.ndarray, mode: str) -> dict:
 
 def chrome_trace(schedule, steps_by_rank: list, mode: str) -> dict:
     """Chrome trace-event JSON (Perfetto, chrome://tracing): process 0 the measured steps, one
-    thread per rank; process 1 the simulator's timeline for the measured mean costs."""
+    thread per rank (an F&B step with its F and B nested inside); process 1 the simulator's
+    timeline for the measured mean costs."""
     events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"measured ({mode})"}},
               {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "simulated, measured mean costs"}}]
     for pid in (0, 1):
@@ -132,6 +133,9 @@ def chrome_trace(schedule, steps_by_rank: list, mode: str) -> dict:
             events.append({"name": s.label, "cat": s.kind, "ph": "X", "pid": 0, "tid": rank,
                            "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6,
                            "args": {"compute_ms": s.compute * 1e3}})
+            for label, start, end in s.parts:  # an F&B's two actions, nested inside the step
+                events.append({"name": label, "cat": "part", "ph": "X", "pid": 0, "tid": rank,
+                               "ts": start * 1e6, "dur": (end - start) * 1e6})
     stats = np.zeros((len(steps_by_rank), len(STAT_FIELDS)))
     col = {f: i for i, f in enumerate(STAT_FIELDS)}
     for rank, steps in enumerate(steps_by_rank):
