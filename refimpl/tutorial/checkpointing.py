@@ -1,0 +1,79 @@
+"""Checks for tutorial 06 (activation checkpointing): the cost of sqrt, revolve's minimum, and a
+schedule written as actions. Costs are measured on refimpl's test chain of TanhLayers (each
+recorded layer saves exactly its input, R = A), with the layer counters and the saved-tensor
+ledger, never taken from the plans' own arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refimpl.autograd import Tensor
+from refimpl.checkpointing import measure_chain, revolve
+from refimpl.checkpointing.actions import simulate
+from refimpl.checkpointing.executor import run_schedule
+from refimpl.checkpointing.measure import tanh_chain
+from refimpl.checkpointing.plans import segment_actions
+from refimpl.checkpointing.state import generators_of, parameters_of
+
+from . import Wrong
+
+
+def check_sqrt_cost(sqrt_cost) -> None:
+    """Check: the cost of the sqrt plan."""
+    for n in (1, 2, 4, 9, 10, 16, 17, 30):
+        measured = measure_chain(tanh_chain(n), "sqrt")
+        expected = (measured.extra_forwards, int(measured.peak_states))
+        got = sqrt_cost(n)
+        if tuple(got) != expected:
+            raise Wrong(f"n={n}: the sqrt plan measures {expected[0]} extra forwards and a peak of {expected[1]} "
+                        f"layer inputs; you said {tuple(got)}")
+
+
+def check_revolve_extra(revolve_extra) -> None:
+    """Check: revolve's fewest recomputations."""
+    for slots in range(1, 6):
+        for n in (1, 2, 3, 5, 8, 13, 21, 40):
+            expected = revolve.min_advances(n, slots)
+            got = revolve_extra(n, slots)
+            if got != expected:
+                raise Wrong(f"n={n}, C={slots}: revolve reverses the chain with {expected} advances "
+                            f"(t(n, C) = r·n − β(C+1, r−1)); you said {got}")
+    for n, slots in [(8, 2), (13, 3)]:  # and the engine agrees: t + n counted layer forwards
+        measured = measure_chain(tanh_chain(n), f"revolve:{slots}")
+        if measured.extra_forwards != revolve_extra(n, slots):
+            raise Wrong(f"n={n}, C={slots}: the engine counts {measured.extra_forwards} extra forwards")
+
+
+def check_every_k_schedule(every_k_schedule) -> None:
+    """Check: the every:K schedule as actions."""
+    for n, k in [(1, 1), (4, 2), (6, 4), (7, 3), (9, 3), (5, 5), (8, 1)]:
+        actions = list(every_k_schedule(n, k))
+        reference = simulate(segment_actions(n, k), n)
+        try:
+            summary = simulate(actions, n)
+        except ValueError as exc:
+            raise Wrong(f"n={n}, K={k}: {exc}") from None
+        if summary.advances != reference.advances:
+            raise Wrong(f"n={n}, K={k}: every:K recomputes {reference.advances} layer forwards (n − K); "
+                        f"your schedule advances {summary.advances}")
+        if summary.peak_bytes != reference.peak_bytes:
+            raise Wrong(f"n={n}, K={k}: every:K holds at most {reference.peak_bytes} layer inputs; "
+                        f"yours {summary.peak_bytes}")
+        # Run it in the autograd engine: the gradients must equal a plain backward, bit for bit.
+        layers = tanh_chain(n, width=4, seed=n)
+        x_data = np.random.default_rng(k).standard_normal((3, 4))
+        x = Tensor(x_data, requires_grad=True)
+        y = run_schedule(layers, x, actions, [parameters_of(layer) for layer in layers],
+                         [generators_of(layer) for layer in layers], True)
+        y.backward(np.ones_like(y.data))
+        ours = [x.grad] + [layer.weight.grad for layer in layers]
+        plain = Tensor(x_data, requires_grad=True)
+        for layer in layers:
+            layer.weight.grad = None
+        h = plain
+        for layer in layers:
+            h = layer(h)
+        h.backward(np.ones_like(h.data))
+        reference_grads = [plain.grad] + [layer.weight.grad for layer in layers]
+        if not all(np.array_equal(a, b) for a, b in zip(ours, reference_grads)):
+            raise Wrong(f"n={n}, K={k}: run in the engine, your schedule's gradients differ from a plain backward")
