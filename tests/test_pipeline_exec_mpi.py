@@ -256,3 +256,24 @@ def test_zero1_inside_the_gradient_groups_equals_single_process_training_with_ex
             assert report["model_state_bytes"]["parameters"][p] == sum(padded) * 8
             # reduce-scatter: L(G-1)/G elements per group and step, the ring's count
             assert counts["group"]["reduce_scatter"]["bytes"] == spec["steps"] * sum(padded) * (G - 1) // G * 8
+
+
+def test_a_failure_inside_one_ranks_step_ends_the_whole_job_instead_of_hanging(tmp_path):
+    # Rank 2 of a 4-stage DualPipe raises in the middle of its program while the others wait for
+    # its messages: the failure handler must abort every rank, naming rank 2.
+    script = tmp_path / "broken_stage.py"
+    script.write_text(
+        "import sys\n"
+        "from refimpl.parallel.pipeline import executor\n"
+        "original = executor.PipelineExecutor._do\n"
+        "def _do(self, action):\n"
+        "    if self.rank == 2 and action.kind == 'F' and action.mb == 5:\n"
+        "        raise RuntimeError('stage exploded on purpose')\n"
+        "    return original(self, action)\n"
+        "executor.PipelineExecutor._do = _do\n"
+        "from refimpl.cli import main\n"
+        "sys.exit(main(['train', '--pp', '4', '--schedule', 'dualpipe', '--micro-batches', '8', '--n-layer', '4',\n"
+        "               '--steps', '2', '--batch-size', '16']))\n")
+    done = run_mpi(4, [script], timeout=60)
+    assert done.returncode != 0
+    assert "[rank 2] RuntimeError: stage exploded on purpose" in done.stderr
