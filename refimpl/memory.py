@@ -50,6 +50,7 @@ Also here: parse_count("7.5B"), parse_bytes("200MB") and format_gb (decimal GB, 
 from __future__ import annotations
 
 import re
+from decimal import ROUND_HALF_UP, Decimal
 
 from refimpl.autograd.saved import saved_tensors as _saved_tensors
 
@@ -107,6 +108,7 @@ class MemoryLedger:
 
     def release(self, array) -> None:
         """Stop counting `array` (the caller drops its last reference)."""
+        self._update_peaks()  # the total just before the release may be a peak
         category, _ = self._held.pop(id(array))
         self._bytes[category] -= array.nbytes
 
@@ -130,11 +132,13 @@ class MemoryLedger:
 
     @property
     def total(self) -> int:
+        self._update_peaks()
         return sum(self.current().values())
 
     @property
     def peak_total(self) -> int:
-        """The largest total seen at a registration or a check (totals move only then, or on release)."""
+        """The largest total seen when the ledger was touched: an allocation, a release, the check after a
+        forward pass (when saved activations peak), a read. Each category's own peak is exact."""
         self._update_peaks()
         return self._peak_total
 
@@ -158,7 +162,7 @@ class MemoryLedger:
         for category, value in now.items():
             if value > self._peak[category]:
                 self._peak[category] = value
-        self._peak[("activations")] = max(self._peak["activations"], self._activations.peak_bytes)
+        self._peak["activations"] = max(self._peak["activations"], self._activations.peak_bytes)
         self._peak_total = max(self._peak_total, sum(now.values()))
 
     def _check(self, category: str, nbytes: int, what: str) -> None:
@@ -324,8 +328,9 @@ def parse_bytes(text) -> int:
 
 def format_gb(nbytes) -> str:
     """Decimal gigabytes with one decimal, as the paper's Table 1 (two below 1 GB: 0.47, 0.12)."""
-    gb = nbytes / 1e9
-    return f"{gb:.1f}" if gb >= 0.95 or gb == 0 else f"{gb:.2f}"
+    gb = Decimal(repr(nbytes / 1e9))
+    places = Decimal("0.1") if gb >= Decimal("0.95") or gb == 0 else Decimal("0.01")
+    return str(gb.quantize(places, rounding=ROUND_HALF_UP))  # 41.25 -> 41.3, as the paper rounds
 
 
 def format_bytes(nbytes) -> str:

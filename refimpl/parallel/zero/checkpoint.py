@@ -91,6 +91,7 @@ def _pieces(trainer, model) -> tuple[list, int]:
 
 
 def _dropout_states(model) -> list:
+    """Sequential dropout generators (used outside a trainer's batch_rows context)."""
     return [m.generator.bit_generator.state for m in model.modules()
             if isinstance(getattr(m, "generator", None), np.random.Generator)]
 
@@ -275,6 +276,8 @@ def _load(trainer, model, checkpoint: Checkpoint, rank: int) -> None:
                 if hasattr(value, "nbytes"):
                     value[...] = checkpoint.states[key][name].reshape(value.shape)
             state["step"] = step
+    if hasattr(trainer, "steps_done"):
+        trainer.steps_done = checkpoint.step  # the batch number that keys dropout masks (nn/batch_rows.py)
     scaler, saved = getattr(trainer, "scaler", None), checkpoint.manifest.get("loss_scaler")
     if scaler is not None and saved is not None:
         scaler.load_state_dict(saved)

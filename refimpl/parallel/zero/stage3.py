@@ -71,6 +71,10 @@ class Stage3Trainer(Stage2Trainer):
                  bucket_bytes=1 << 20, budget=None, prefetch_bytes: int = 0, param_threshold: int = 0) -> None:
         if prefetch_bytes < 0:
             raise ValueError(f"--prefetch must be >= 0 bytes, got {prefetch_bytes}")
+        if getattr(getattr(model, "config", None), "tie_weights", False):
+            raise ValueError("ZeRO-3 gathers a module's parameters around its own calls; a tied embedding is also "
+                             "used by the head, outside them (DeepSpeed registers it as an external parameter); "
+                             "use tie_weights=False or ZeRO-2")
         self.prefetch_bytes, self.param_threshold = prefetch_bytes, param_threshold
         self.units: list[_Unit] = []
         self._order: dict[str, list] = {}  # "forward"/"backward" -> units in the order they ran
@@ -81,7 +85,7 @@ class Stage3Trainer(Stage2Trainer):
             unit.module.register_forward_pre_hook(lambda module, args, u=unit: self._use(u, "forward"))
             unit.module.register_forward_hook(lambda module, args, output, u=unit: self._release(u))
             unit.module.register_full_backward_pre_hook(lambda module, grad, u=unit: self._use(u, "backward"))
-        model.register_forward_hook(lambda module, args, output: self._check_all_gathered())
+        model.register_forward_hook(lambda module, args, output: self._check_first_forward(output))
 
     # -- layout -----------------------------------------------------------------------------------
     def _make_groups(self) -> list:
@@ -178,14 +182,18 @@ class Stage3Trainer(Stage2Trainer):
             if unit.request is not None:
                 unit.request.test()
 
-    def _check_all_gathered(self) -> None:
-        """After the first forward: a unit that never ran was used outside its module's call."""
+    def _check_first_forward(self, output) -> None:
+        """After the first forward: a parameter used outside its module's call read a NaN placeholder."""
         if self._tracing is None or "forward" not in self._tracing:
             return
         missing = [u.name for u in self.units if u not in self._tracing["forward"]]
         if missing:
             raise ValueError(f"ZeRO-3: the parameters of {', '.join(missing)} were never gathered: the model uses "
-                             "them outside a call of their module (tied weights?), which ZeRO-3 cannot see")
+                             "them outside a call of their module, which ZeRO-3 cannot see")
+        data = getattr(output, "data", None)
+        if data is not None and not bool(backend.xp().isfinite(data).all()):
+            raise ValueError("ZeRO-3: the first forward produced NaN or inf: a parameter was read while freed "
+                             "(used outside a call of its module?)")
 
     # -- micro-batch boundaries and gradients ---------------------------------------------------------
     def _begin_micro_batch(self) -> None:

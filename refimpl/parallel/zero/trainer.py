@@ -77,7 +77,7 @@ class ZeroTrainer:
                 p.register_hook(partial(self._before_accumulate, p))
                 p.register_post_accumulate_grad_hook(self._after_accumulate)
         model.register_forward_hook(lambda module, args, output: self.ledger.check_activations())
-        self.micro_batches_run = 0
+        self.steps_done = 0  # the global batch's number, for split-independent dropout masks
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, x, y) -> float:
@@ -85,16 +85,17 @@ class ZeroTrainer:
         total = count_targets(y)  # of the whole global batch: every rank builds the same batch
         x_local, y_local = split_batch(x, y, self.world_size, "data-parallel ranks")[self.rank]
         micro = split_batch(x_local, y_local, self.grad_accum, "micro-batches per rank (--grad-accum)")
+        first_row = self.rank * len(x_local)  # this rank's rows of the global batch
         loss_value = 0.0
         for i, (xm, ym) in enumerate(micro):
             last = i == len(micro) - 1
             self._reducing = last or self.reduce_every_micro_batch
             self._begin_micro_batch()
-            loss = micro_batch_loss(self.model, xm, ym, total)
+            rows = (first_row + i * len(xm), len(x), self.steps_done)  # dropout masks as in one process
+            loss = micro_batch_loss(self.model, xm, ym, total, rows=rows)
             (loss if self.scaler is None else loss * self.scaler.scale).backward()
             self._finish_reductions(last)
             self._end_micro_batch()
-            self.micro_batches_run += 1
             loss_value += float(loss.item())
         result = self.optimizer.step(self._gradient_blocks())
         if self.record_grads:
@@ -102,6 +103,7 @@ class ZeroTrainer:
         self._clear_gradients()  # stage
         if result.applied:
             self._publish()  # stage
+        self.steps_done += 1
         return self.comm.allreduce_value(loss_value)
 
     # -- gradient hooks ---------------------------------------------------------------------------
