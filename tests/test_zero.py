@@ -13,6 +13,7 @@ checks what each rank reports against the formulas of DESIGN.md, evaluated indep
   equivalence           float64, rtol 1e-10 / atol 1e-12 against LocalTrainer, and stages against DP
                         (with dropout: masks are keyed by batch and row, nn/batch_rows.py)
   gathered parameters   ZeRO-3: at most the largest module plus --prefetch
+  gradient buckets      ZeRO-3: at most two modules' buckets at once (double buffering)
   overflow              an inf on one rank: every rank skips the step and halves the loss scale
 
 Models: a GPT with Ψ = 702 (not a multiple of 4; units of 12 elements) and an MLP 2 → 1 → 3 with
@@ -155,6 +156,18 @@ def test_zero_stages_match_the_formulas_and_single_process_training(n, tmp_path)
                 want = expected_comm(case, out, n, r, skipped)
                 assert {kk: sent.get(kk, 0) for kk in want} == want, (name, r, i)
                 assert set(sent) <= set(want), (name, r, i, sent)
+            # ZeRO-3: a module's gradients fill its bucket in one go, so at most two buckets (one reducing,
+            # one filling) and their L/N outputs exist; ZeRO-2's buckets (and ZeRO-3's for small parameters)
+            # may overlap a little at their edges, but never add up to the whole gradient
+            if stage >= 2 and case["config"]["dtype"] != "mixed":  # (mixed adds float32 temporaries in the step)
+                lengths = out["groups"] + out["persistent"]
+                biggest, whole = max(lengths), sum(lengths)
+                for step in out["steps"]:
+                    peak = step["peak"]["gradient_buckets"] // out["itemsize"]
+                    if stage == 3 and not out["persistent"]:
+                        assert peak <= 2 * (biggest + biggest // n), name
+                    elif len(lengths) >= 4:
+                        assert peak < whole, name
             # ZeRO-3: whole parameters of the largest module plus the prefetch, never more
             if stage == 3:
                 for step in out["steps"]:

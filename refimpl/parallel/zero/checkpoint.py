@@ -43,6 +43,7 @@ import os
 
 import numpy as np
 
+from refimpl import backend
 from refimpl.console import emit_json, log
 
 FORMAT = "refimpl-sharded-checkpoint/1"
@@ -82,8 +83,8 @@ def _pieces(trainer, model) -> tuple[list, int]:
     pieces, step = [], 0
     if trainer.rank == 0:  # every rank holds the same whole state: rank 0 writes it
         for (name, p), state in zip(model.named_parameters(), optimizer.state):
-            arrays = {"master": np.asarray(p.data).reshape(-1)}
-            arrays.update({k: np.asarray(v).reshape(-1) for k, v in state.items() if hasattr(v, "nbytes")})
+            arrays = {"master": backend.to_host(p.data).reshape(-1)}
+            arrays.update({k: backend.to_host(v).reshape(-1) for k, v in state.items() if hasattr(v, "nbytes")})
             pieces.append((name, 0, p.size, arrays))
     if optimizer.state:
         step = int(optimizer.state[0]["step"])
@@ -271,10 +272,10 @@ def _load(trainer, model, checkpoint: Checkpoint, rank: int) -> None:
         trainer.load_full_state(checkpoint.masters, checkpoint.states, step)
     else:
         for (name, p), state in zip(model.named_parameters(), trainer.optimizer.state):
-            p.data[...] = checkpoint.masters[name].reshape(p.shape)
+            p.data[...] = backend.asarray(checkpoint.masters[name].reshape(p.shape), dtype=p.dtype)
             for key, value in state.items():
                 if hasattr(value, "nbytes"):
-                    value[...] = checkpoint.states[key][name].reshape(value.shape)
+                    value[...] = backend.asarray(checkpoint.states[key][name].reshape(value.shape), dtype=value.dtype)
             state["step"] = step
     if hasattr(trainer, "steps_done"):
         trainer.steps_done = checkpoint.step  # the batch number that keys dropout masks (nn/batch_rows.py)

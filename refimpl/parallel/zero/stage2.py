@@ -10,9 +10,11 @@ Gradients are reduced bucket by bucket *during* backward. A bucket (a flat group
 --bucket-bytes, in backward order) is allocated when the first of its gradients arrives; backward
 accumulates into it; when its last gradient is in, its reduce-scatter starts (non-blocking,
 overlapping the rest of backward) into a block of L/N elements, and when that completes the block
-is added into this rank's persistent gradient shard and the bucket is freed. At most the buckets
-still being filled or reduced exist at once ("gradient_buckets" in the ledger); the whole
-gradient never does.
+is added into this rank's persistent gradient shard and the bucket is freed. When a bucket's
+reduction starts, the trainer waits for the one before it (trainer.py, double buffering as
+DeepSpeed's overlap_comm): at most two buckets exist at once -- one being reduced, the next one
+being filled -- plus their L/N outputs ("gradient_buckets" in the ledger). The whole gradient never
+does, and the bytes held at every allocation are the same on every rank.
 
 Gradient accumulation (g micro-batches): the whole gradient is never kept, so every micro-batch's
 buckets are reduce-scattered and accumulated into the shard: g reduce-scatters and one all-gather

@@ -11,7 +11,8 @@ allocates. One optimizer step on a global batch of B examples, on each of N rank
         backward(loss · S)          S = loss scale (mixed precision), else no scaling
             a parameter's gradient is accumulated, then its post-accumulate hook counts it;
             when all gradients of a group (flat.py) are in, the group's reduction starts
-            (non-blocking; every hook polls the reductions in flight)
+            (non-blocking; every hook polls the reductions in flight), and the previous group's
+            reduction is waited for and finished: one reduction overlaps the next group's backward
         wait for the reductions; reduce groups that received no gradient
     sharded optimizer step on this rank's block of every group (optimizer.py)
     publish the updated parameters (all-gather; nothing under DP or for ZeRO-3's shards)
@@ -45,6 +46,7 @@ class ZeroTrainer:
 
     stage: int = -1
     reduce_every_micro_batch = False  # stages 2 and 3: gradients are kept only as a shard
+    in_flight = 1  # reductions left running when the next one starts (double buffering, as DeepSpeed's overlap_comm)
 
     def __init__(self, model, optimizer, comm, precision: str = "float32", grad_accum: int = 1, clip: float = 0.0,
                  bucket_bytes: int = 1 << 20, budget: int | None = None) -> None:
@@ -70,7 +72,8 @@ class ZeroTrainer:
         self._hold_gradients()  # stage
         self._group_of = {id(p): group.index for group in self.groups for p in group.params}
         self._pending = [len(group.params) for group in self.groups]
-        self._started: dict[int, object] = {}  # group index -> request of its reduction in flight
+        self._started: dict[int, object] = {}  # group index -> request of its reduction in flight, oldest first
+        self._reduced: set[int] = set()  # groups whose reduction started in this backward pass
         self._reducing = False
         for group in self.groups:
             for p in group.params:
@@ -115,8 +118,25 @@ class ZeroTrainer:
         g = self._group_of[id(param)]
         self._pending[g] -= 1
         if self._pending[g] == 0 and self._reducing:
-            self._started[g] = self._start_reduction(self.groups[g])
+            self._start(self.groups[g])
         self._poll()
+
+    def _start(self, group) -> None:
+        self._started[group.index] = self._start_reduction(group)
+        self._reduced.add(group.index)
+        self._retire(self.in_flight)
+
+    def _retire(self, keep: int) -> None:
+        """Wait for the oldest reductions until at most `keep` are in flight, and finish them.
+
+        Buckets are freed here, at the same point of backward on every rank (not whenever MPI happens
+        to complete them), so every rank holds the same bytes at every allocation: one bucket being
+        reduced while the next one fills.
+        """
+        while len(self._started) > keep:
+            g = next(iter(self._started))
+            self._started.pop(g).wait()
+            self._reduction_done(self.groups[g])
 
     def _poll(self) -> None:
         """MPI advances non-blocking collectives only inside MPI calls: test the ones in flight."""
@@ -127,12 +147,10 @@ class ZeroTrainer:
         """After backward: start what did not start (groups with missing gradients), wait for all."""
         if self._reducing:
             for group in self.groups:
-                if group.index not in self._started and self._needs_reduction(group):
-                    self._started[group.index] = self._start_reduction(group)
-        for g, request in list(self._started.items()):
-            request.wait()
-            self._reduction_done(self.groups[g])
-        self._started = {}
+                if group.index not in self._reduced and self._needs_reduction(group):
+                    self._start(group)
+        self._retire(0)
+        self._reduced = set()
         self._pending = [len(group.params) for group in self.groups]
 
     def _begin_micro_batch(self) -> None:
