@@ -10,7 +10,8 @@ communication per rank per step. With a model instead, it builds the model and e
 trainer on the world it was launched on (N = the number of processes), runs one training step with
 each, and prints the ledger -- bytes actually held on rank 0 -- beside the formula evaluated at the
 model's Ψ and at the padded Ψ' that the flat buffers really hold, plus the transient peaks the
-formula leaves out (gathered parameters, gradient buckets, activations). --json prints the numbers.
+formula leaves out (gathered parameters, gradient buckets, activations), and the elements rank 0
+sent in that step next to the communication formula. --json prints the numbers.
 """
 
 from __future__ import annotations
@@ -144,10 +145,22 @@ def _measure(args, precision: str) -> int:
         saved_tensors.reset_peak()
         trainer.ledger.reset_peak()
         x, y = task.batch(0, cfg.batch_size)
+        before = world.counters.snapshot()
         trainer.step(x, y)
+        sent = {kind: c for kind, c in world.counters.since(before).items()
+                if kind in ("allreduce", "reduce_scatter", "allgather")}
         padded = getattr(trainer, "padded_numel", psi)
         persistent = sum(gr.length for gr in trainer.groups if gr.index not in trainer.unit_of) if stage == 3 else 0
         sharded = padded - persistent
+        itemsize = model.parameters()[0].dtype.itemsize
+        if type(trainer).__name__ == "DataParallelTrainer":
+            gradient_allreduces = len(trainer.buckets.groups)
+        else:
+            gradient_allreduces = len(trainer.groups) if stage == 0 else 0
+        scalars = sent.get("allreduce", {}).get("calls", 0) - gradient_allreduces  # loss, norm, overflow flag
+        traffic = {kind: c["bytes"] for kind, c in sent.items()}
+        if "allreduce" in traffic:  # rank 0 sends 8 bytes per one-number all-reduce when N > 1
+            traffic["allreduce"] -= scalars * 8 * (n > 1)
         measured = world.allgather_object(trainer.ledger.model_state())
         peaks = world.allgather_object({**trainer.ledger.peak(), "total": trainer.ledger.peak_total})
         rows.append({
@@ -158,6 +171,9 @@ def _measure(args, precision: str) -> int:
             "estimate_padded": model_state_bytes(stage, sharded, n, p, g, k, persistent),
             "measured": [sum(m.values()) for m in measured], "measured_by_category": measured[0],
             "peak": peaks[0], "ranks_agree": all(m == measured[0] for m in measured),
+            "comm_formula": COMM_FORMULAS[stage], "scalar_allreduces": scalars,
+            "comm_elements_formula": communication_elements(stage, sharded, n, cfg.grad_accum, persistent),
+            "comm_elements_measured": {kind: b // itemsize for kind, b in traffic.items()},
         })
     if world.rank != 0:
         return 0
@@ -173,12 +189,27 @@ def _measure(args, precision: str) -> int:
                    f"{peak['total']:>11,}")
     ok = all(row["estimate_padded"] == m for row in rows for m in row["measured"])
     out += ["", "ledger = formula at the padded Ψ′ on every rank: " + ("yes" if ok else "NO"),
-            "(formula columns: model states only; the ledger's transient peaks are listed after it; Ψ′ − Ψ is the "
-            "padding of the flat buffers to multiples of N, at most N − 1 per buffer)"]
+            "(the formula counts model states only; gathered parameters, gradient buckets and activations are the "
+            "ledger's transient peaks; Ψ′ − Ψ is the padding of the flat buffers to multiples of N, at most N − 1 "
+            "per buffer)", "",
+            f"communication of rank 0 in that step, elements (g = {cfg.grad_accum}; besides one-number all-reduces "
+            "of the loss, clipping norm, overflow flag)", "",
+            f"{'stage':<7} {'formula':<15} {'formula(Ψ′)':>12} {'all-reduce':>11} {'reduce-scatter':>15} "
+            f"{'all-gather':>11} {'total':>9}"]
+    for row in rows:
+        m = row["comm_elements_measured"]
+        total = sum(m.values())
+        out.append(f"{row['name']:<7} {row['comm_formula']:<15} {row['comm_elements_formula']:>12,.0f} "
+                   f"{m.get('allreduce', 0):>11,} {m.get('reduce_scatter', 0):>15,} {m.get('allgather', 0):>11,} "
+                   f"{total:>9,}")
+        row["comm_equal"] = total == row["comm_elements_formula"]
+    out += ["", "measured = formula: " + ("yes" if all(row["comm_equal"] for row in rows) else
+                                          "no (lengths not divisible by N send counts-sized blocks; see comm.py)")]
     print("\n".join(out))
     if not ok:
         log("memory: the ledger differs from the formula; see the table")
     if args.json:
         emit_json({"model": model_name, "world_size": n, "precision": precision, "optimizer": args.optimizer,
-                   "P": p, "G": g, "K": k, "rows": rows, "ledger_equals_formula": ok})
+                   "P": p, "G": g, "K": k, "rows": rows, "ledger_equals_formula": ok,
+                   "communication_equals_formula": all(row["comm_equal"] for row in rows)})
     return 0 if ok else 1

@@ -255,6 +255,8 @@ def test_memory_command_measures_the_ledger_beside_the_formula():
                               "--n-head", "2", "--seq-len", "8", "--precision", "float32", "--bucket-bytes", "500",
                               "--json"], timeout=120)
     assert result["ledger_equals_formula"] is True and result["world_size"] == 3
+    # ZeRO's padded groups send exactly the formula; DDP's unpadded buckets send counts-sized blocks
+    assert [row["comm_equal"] for row in result["rows"]] == [False, True, True, True]
     rows = {row["stage"]: row for row in result["rows"]}
     assert rows[0]["trainer"] == "DataParallelTrainer" and rows[3]["trainer"] == "Stage3Trainer"
     for row in rows.values():

@@ -38,27 +38,27 @@ class Stage2Trainer(Stage1Trainer):
     def _hold_gradients(self) -> None:
         self.grad_shards = [self.ledger.register("gradients", group.empty(whole=False), "gradient shard")  # (L/N,)
                             for group in self.groups]
-        self.buckets = [None] * len(self.groups)  # (L,) while being filled and reduced
+        self.grad_buckets = [None] * len(self.groups)  # (L,) while being filled and reduced
         self.received = [None] * len(self.groups)  # (L/N,) reduce-scatter outputs in flight
 
     def _before_accumulate(self, param, grad):
         """The first gradient of a group in this backward: allocate the group's bucket."""
         g = self._group_of[id(param)]
-        if self.buckets[g] is None:
+        if self.grad_buckets[g] is None:
             group = self.groups[g]
             bucket = self.ledger.register("gradient_buckets", group.empty(), "gradient bucket")  # (L,)
             for p, view in zip(group.params, group.views(bucket)):
                 p.grad = view  # backward now adds (+=) into the bucket
-            self.buckets[g] = bucket
+            self.grad_buckets[g] = bucket
         return None
 
     def _needs_reduction(self, group) -> bool:
-        return self.buckets[group.index] is not None  # no gradient arrived: nothing to add
+        return self.grad_buckets[group.index] is not None  # no gradient arrived: nothing to add
 
     def _start_reduction(self, group):
         g = group.index
         self.received[g] = self.ledger.register("gradient_buckets", group.empty(whole=False), "reduce-scatter output")
-        return self.comm.ireduce_scatter(self.buckets[g], self.received[g])
+        return self.comm.ireduce_scatter(self.grad_buckets[g], self.received[g])
 
     def _reduction_done(self, group) -> None:
         g = group.index
@@ -66,8 +66,8 @@ class Stage2Trainer(Stage1Trainer):
         for p in group.params:
             p.grad = None
         self.ledger.release(self.received[g])
-        self.ledger.release(self.buckets[g])
-        self.received[g] = self.buckets[g] = None
+        self.ledger.release(self.grad_buckets[g])
+        self.received[g] = self.grad_buckets[g] = None
 
     def _gradient_blocks(self) -> list:
         return self.grad_shards
