@@ -91,7 +91,8 @@ def _estimate(args, precision: str) -> int:
         head = f"{'stage':<8} {'formula':<16}" + "".join(f"{'N=' + str(n):>9}" for n in worlds)
         out += [head, "-" * len(head)]
         for row in table["rows"]:
-            out.append(f"{row['name']:<8} {row['formula']:<16}" + "".join(f"{format_gb(row['bytes'][n]):>9}" for n in worlds))
+            cells = "".join(f"{format_gb(row['bytes'][n]):>9}" for n in worlds)
+            out.append(f"{row['name']:<8} {row['formula']:<16}" + cells)
         out += ["", f"communication per rank per step (ring, g = 1), {_count(table['params'])} parameters of "
                     f"{itemsize} bytes:"]
         for row in table["rows"]:
@@ -164,7 +165,8 @@ def _measure(args, precision: str) -> int:
         measured = world.allgather_object(trainer.ledger.model_state())
         peaks = world.allgather_object({**trainer.ledger.peak(), "total": trainer.ledger.peak_total})
         rows.append({
-            "stage": stage, "name": STAGE_NAMES[stage], "formula": STAGE_FORMULAS[stage], "trainer": type(trainer).__name__,
+            "stage": stage, "name": STAGE_NAMES[stage], "formula": STAGE_FORMULAS[stage],
+            "trainer": type(trainer).__name__,
             "params": psi, "padded_params": padded, "persistent_params": persistent,
             "flat_buffers": len(getattr(trainer, "groups", [])),
             "estimate": model_state_bytes(stage, psi, n, p, g, k),

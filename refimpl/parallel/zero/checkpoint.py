@@ -284,7 +284,8 @@ def _load(trainer, model, checkpoint: Checkpoint, rank: int) -> None:
         scaler.load_state_dict(saved)
     states = checkpoint.manifest.get("rng") or [[]]
     mine = states[rank] if rank < len(states) else states[0]
-    generators = [m.generator for m in model.modules() if isinstance(getattr(m, "generator", None), np.random.Generator)]
+    generators = [m.generator for m in model.modules()
+                  if isinstance(getattr(m, "generator", None), np.random.Generator)]
     if len(mine) == len(generators):
         for generator, state in zip(generators, mine):
             generator.bit_generator.state = state

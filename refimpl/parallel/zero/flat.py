@@ -21,6 +21,8 @@ A group is also the unit of communication: ZeRO-1/2 group parameters into bucket
 `bucket_bytes` (in backward order, like DDP), ZeRO-3 into one group per module (the parameters
 gathered together before that module runs). `pieces` maps a shard back to parameter names, which
 is what sharded checkpoints store, so they can be loaded into any other layout.
+
+Legend: L a group's padded length, N shards (ranks), L/N one rank's block.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class FlatGroup:
         self.padding = self.length - self.numel
 
     def __repr__(self) -> str:
-        return f"FlatGroup({self.index}, {len(self.params)} params, numel={self.numel}, L={self.length}, N={self.shards})"
+        return (f"FlatGroup({self.index}, {len(self.params)} params, numel={self.numel}, L={self.length}, "
+                f"N={self.shards})")
 
     @property
     def nbytes(self) -> int:

@@ -66,4 +66,5 @@ class LossScaler:
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), int(state["skipped"])
+        self.scale = float(state["scale"])
+        self.good_steps, self.skipped = int(state["good_steps"]), int(state["skipped"])

@@ -14,6 +14,8 @@ step on the same whole arrays.
 refimpl runs float32/float64 `--zero 0` with parallel/data_parallel.py (the DDP trainer); this
 class is what `--zero 0 --dtype mixed` runs, since mixed precision needs the master weights and
 loss scaling that ZeRO's sharded optimizer provides. The ZeRO stages build on it: stage1.py.
+
+Legend: L a bucket's length (one shard: no padding).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ What DeepSpeed does differently: it also reduces during backward, but into fixed
 whose boundaries need not align with the partitions (so it reduces to each partition's owner), and
 it all-gathers in chunks of allgather_bucket_size. PyTorch's ZeroRedundancyOptimizer all-reduces
 and then broadcasts each shard: 3Ψ, not the paper's 2Ψ.
+
+Legend: L a bucket's padded length, N ranks, L/N one rank's block.
 """
 
 from __future__ import annotations

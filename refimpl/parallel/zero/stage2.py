@@ -22,6 +22,8 @@ per step, (g + 1)Ψ(N−1)/N elements. (DeepSpeed does the same: ZeRO-2 communic
 micro-batch; keeping whole gradients across micro-batches would be ZeRO-1.)
 
 After the sharded optimizer step the updated parameter blocks are all-gathered, as in stage 1.
+
+Legend: L a bucket's padded length, N ranks, L/N one rank's block.
 """
 
 from __future__ import annotations

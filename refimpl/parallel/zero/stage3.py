@@ -36,6 +36,8 @@ The placeholder of a freed parameter is a read-only broadcast of NaN with the pa
 What DeepSpeed does differently: zero.Init builds the model already partitioned (refimpl builds it
 whole, then shards it); it keeps the last modules of forward gathered for backward, coalesces
 gathers into buckets, and overlaps communication on a separate CUDA stream.
+
+Legend: L a module's padded length, N ranks, L/N one rank's shard of it.
 """
 
 from __future__ import annotations

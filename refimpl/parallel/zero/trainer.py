@@ -27,6 +27,8 @@ The stages differ only in what they keep and how they reduce (stage0.py ... stag
 
 Every rank runs the same graph on equally shaped data, so the groups complete -- and their
 collectives start -- in the same order on every rank, as MPI requires.
+
+Legend: L a group's padded length, N ranks (L/N: one rank's block), g micro-batches per step.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class ZeroTrainer:
         wrong = [name for name, p in self.named if p.dtype != expected]
         if wrong:
             name = wrong[0]
-            raise ValueError(f"--dtype {precision} stores parameters as {expected}, but {name} is {dict(self.named)[name].dtype}")
+            raise ValueError(f"--dtype {precision} stores parameters as {expected}, "
+                             f"but {name} is {dict(self.named)[name].dtype}")
         self.groups = self._make_groups()  # stage
         self.param_blocks = self._hold_parameters()  # stage: registers parameters, returns blocks
         self.optimizer = ShardedOptimizer(optimizer, self.groups, self.param_blocks, self.ledger, comm, clip,
@@ -193,10 +196,6 @@ class ZeroTrainer:
                 arrays[name] = backend.to_host(view).copy()
         return {name: arrays[name] for name, _ in self.named}
 
-    def master_parameters(self) -> dict:
-        """{name: NumPy array} of the whole float32 (mixed) or native master weights (collective)."""
-        return {name: a for name, a in self._gather_blocks(self.optimizer.masters).items()}
-
     @property
     def padding_elements(self) -> int:
         return sum(group.padding for group in self.groups)
@@ -228,7 +227,8 @@ class ZeroTrainer:
             lo, hi = (0, group.length) if group.shards == 1 else (group.start, group.stop)
             arrays = {"master": self.optimizer.masters[group.index], **self.optimizer.state_arrays(group.index)}
             for name, start, stop, pos in group.pieces(lo, hi):
-                pieces.append((name, start, stop, {k: backend.to_host(a[pos:pos + stop - start]) for k, a in arrays.items()}))
+                values = {k: backend.to_host(a[pos:pos + stop - start]) for k, a in arrays.items()}
+                pieces.append((name, start, stop, values))
         return pieces
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
