@@ -199,7 +199,8 @@ def verify_configs(draw):
     accum = draw(st.integers(1, 2))
     flags = ["--zero", stage, "--model", model, "--batch-size", world * accum * draw(st.integers(1, 2)),
              "--grad-accum", accum, "--bucket-bytes", draw(st.sampled_from([64, 1000, 1 << 20])),
-             "--collectives", draw(st.sampled_from(["mpi", "ring"]))]
+             "--collectives", draw(st.sampled_from(["mpi", "ring"])), "--dropout", draw(st.sampled_from(["0", "0.2"])),
+             "--optimizer", draw(st.sampled_from(["adamw", "sgd"])), "--clip", draw(st.sampled_from(["0", "0.05"]))]
     if stage == 3:
         flags += ["--prefetch", draw(st.sampled_from(["0", "500", "1MB"])),
                   "--param-threshold", draw(st.sampled_from([0, 17]))]
