@@ -23,11 +23,10 @@ np.set_printoptions(precision=4, suppress=True)
 # %% [markdown]
 # ## 1. An engine in forty lines
 #
-# Reverse mode rests on the chain rule read backwards. If the loss $L$ depends on $x$ only through
-# $y = f(x)$, then $\partial L/\partial x = (\partial L/\partial y)\,(\partial y/\partial x)$. So each
-# operation needs only one thing from the rest of the program: the gradient of the loss with
-# respect to its **output**. From that it computes the gradients with respect to its **inputs**
-# and passes them on. An engine therefore needs
+# Reverse mode rests on the chain rule read backwards. If the loss L depends on x only through
+# y = f(x), then ∂L/∂x = (∂L/∂y)·(∂y/∂x). So each operation needs only one thing from the rest
+# of the program: the gradient of the loss with respect to its **output**. From that it computes
+# the gradients with respect to its **inputs** and passes them on. An engine therefore needs
 #
 # - to **record**, during the forward pass, which operation made each value and from what;
 # - to **visit** the recorded operations in an order where an operation comes after every
@@ -90,8 +89,8 @@ def backward(loss):
 
 
 # %% [markdown]
-# A two-layer network's loss, $L = \sum \tanh(x W_1)\,W_2 \cdot \tanh(x W_1)\,W_2$, uses `h` twice,
-# so its gradient arrives along two paths and must be summed.
+# A two-layer network's loss, L = Σ h·h with h = tanh(x W₁) W₂, uses `h` twice, so its gradient
+# arrives along two paths and must be summed.
 
 # %%
 rng = np.random.default_rng(0)
@@ -110,9 +109,9 @@ print("loss", loss.data)
 print("dL/dW2 =\n", w2.grad)
 
 # %% [markdown]
-# Is it right? Central finite differences, $(L(w + \varepsilon) - L(w - \varepsilon)) / 2\varepsilon$,
-# approximate each derivative with an error of order $\varepsilon^2$: slow (two forward passes per
-# weight) but independent of the engine.
+# Is it right? Central finite differences, (L(w + ε) − L(w − ε)) / 2ε, approximate each
+# derivative with an error of order ε²: slow (two forward passes per weight) but independent of
+# the engine.
 
 # %%
 def finite_differences(f, array, eps=1e-6):
@@ -164,7 +163,7 @@ assert np.allclose(W1.grad, w1.grad, rtol=1e-12, atol=1e-14)
 
 # %% [markdown]
 # The ledger counted the arrays that the operations saved for their backward: `X` (4×3 float64,
-# 96 bytes; the first matmul needs it for $dW_1$), the tanh's output (4×5, 160 bytes; tanh's
+# 96 bytes; the first matmul needs it for dW₁), the tanh's output (4×5, 160 bytes; tanh's
 # backward and the second matmul both use it, and it is counted once) and `h` (4×2, 64 bytes,
 # for the square). `W1` and `W2` are parameters, model state rather than activations, and are not
 # counted. Those activation bytes are what activation checkpointing (tutorial 06) trades for recomputation and what pipeline
@@ -193,10 +192,10 @@ print("Cube passes gradcheck:", gradcheck(lambda t: Cube.apply(t), [Tensor(x_dat
 # %% [markdown]
 # ## 3. Backward in two halves: I and W
 #
-# For a linear layer $y = x W^\top$, backward computes two products: $dx = g\,W$, which the layer
-# below is waiting for, and $dW = g^\top x$, which nobody needs until the optimizer step. A
-# pipeline stage can send $dx$ to the previous stage at once and compute $dW$ later, in time it
-# would otherwise spend idle. refimpl's engine offers exactly that split:
+# For a linear layer y = x Wᵀ, backward computes two products: dx = g W, which the layer below
+# is waiting for, and dW = gᵀ x, which nobody needs until the optimizer step. A pipeline stage
+# can send dx to the previous stage at once and compute dW later, in time it would otherwise
+# spend idle. refimpl's engine offers exactly that split:
 # `backward(defer_weight_grads=True)` is the **I** pass (gradients of everything that is not a
 # Parameter) and returns the deferred **W** work; `work.run()` computes the weight gradients. I
 # then W gives the same bits as the full backward B, because each gradient is computed by the
@@ -227,16 +226,17 @@ assert all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b),
 # Fill in each function's body, then run the cell after it: the check compares your function with
 # refimpl's engine on small random inputs and says what differs.
 #
-# **Exercise 1.** The sigmoid $y = 1/(1 + e^{-x})$ has $dy/dx = y(1-y)$. Given the output `y` saved
-# by forward and the gradient `grad_out` of the loss with respect to `y`, return the gradient with
-# respect to `x`.
+# **Exercise 1.** `sigmoid_backward(y, grad_out)`: the sigmoid y = 1/(1 + e⁻ˣ) has
+# dy/dx = y(1 − y). Given the output `y` saved by forward and the gradient `grad_out` of the loss
+# with respect to `y`, return the gradient with respect to `x`.
 #
-# **Exercise 2.** The backward of `y = x @ w.T + b` for `x` of shape `(…, in)` (any number of
-# leading dimensions), `w` of shape `(out, in)` and `b` of shape `(out,)`: return
-# `(dx, dw, db)` given `grad_out` of shape `(…, out)`. Hint: flatten the leading dimensions.
+# **Exercise 2.** `linear_backward(x, w, grad_out)`: the backward of `y = x @ w.T + b` for `x` of
+# shape `(…, in)` (any number of leading dimensions), `w` of shape `(out, in)` and `b` of shape
+# `(out,)`: return `(dx, dw, db)` given `grad_out` of shape `(…, out)`. Hint: flatten the leading
+# dimensions.
 #
-# **Exercise 3.** The order the engine visits nodes in. Given a loss Tensor, return the list of
-# every `Function` in its graph (start at `loss.grad_fn`; a node's inputs are `node.inputs`, and an
+# **Exercise 3.** `topological_order(loss)`: the order the engine visits nodes in. Given a loss
+# Tensor, return the list of every `Function` in its graph (start at `loss.grad_fn`; a node's inputs are `node.inputs`, and an
 # input Tensor `t` was produced by `t.grad_fn`, `None` for leaves and constants), each node once,
 # and each node before the nodes that produced its inputs.
 

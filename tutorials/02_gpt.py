@@ -167,18 +167,19 @@ assert peaks[16] == 2 * peaks[8]
 # %% [markdown]
 # ## Exercises
 #
-# **Exercise 1.** Causal attention for arrays `q, k, v` of shape (B, H, T, D): scores
+# **Exercise 1.** `attention(q, k, v)`: causal attention for arrays of shape (B, H, T, D): scores
 # `q @ kᵀ / √D`, −∞ above the diagonal (use `np.triu(..., k=1)`), a softmax over the last axis
 # (subtract the row maximum first), then the weighted sum of `v`. Return shape (B, H, T, D).
 #
-# **Exercise 2.** Count the parameters of a GPT with untied embeddings (refimpl's default) from
-# `vocab_size, seq_len, n_layer, d_model`: embeddings, per block two layer norms (weight and bias),
-# the q/k/v projection and the output projection (with biases), the MLP C → 4C → C (with biases),
-# the final layer norm and the head (no bias). Compare with the table printed above.
+# **Exercise 2.** `count_parameters(vocab_size, seq_len, n_layer, d_model)`: the number of
+# parameters of a GPT with untied embeddings (refimpl's default): the two embeddings, per block two
+# layer norms (weight and bias), the q/k/v projection and the output projection (with biases), the
+# MLP C → 4C → C (with biases), then the final layer norm and the head (no bias). Compare with the
+# table printed above.
 #
-# **Exercise 3.** The loss: for logits (B, T, V) and integer targets (B, T), the mean over the
-# targets that are not −100 of −log softmax(logits)[target]. Make it stable: subtract each row's
-# maximum before `exp`.
+# **Exercise 3.** `cross_entropy(logits, targets)`: for logits (B, T, V) and integer targets
+# (B, T), the mean over the targets that are not −100 of −log softmax(logits)[target]. Make it
+# stable: subtract each row's maximum before `exp`.
 
 # %%
 from refimpl.tutorial import Exercises

@@ -28,9 +28,9 @@ from refimpl.tutorial import last_json, run_mpi
 # ## 1. The loss that makes gradients add up
 #
 # The training loss is the mean over the **counted targets of the global batch**,
-# $L = \frac{1}{N_\text{targets}} \sum -\log p(\text{target})$. Each rank computes its own sum of
-# $-\log p$ and divides it by the *global* count. Then the ranks' losses add up to $L$, and so do
-# their gradients: the all-reduce is a plain sum. (`micro_batch_loss` in `refimpl/objective.py`
+# L = (1/N_targets) Σ −log p(target). Each rank computes its own sum of −log p and divides it by
+# the *global* count N_targets. Then the ranks' losses add up to L, and so do their gradients:
+# the all-reduce is a plain sum. (`micro_batch_loss` in `refimpl/objective.py`
 # does this; every rank can compute the global count because every rank builds the same global
 # batch from the seed and the step.)
 #

@@ -194,7 +194,7 @@ def find_mpiexec() -> str:
 
 
 def run_mpi(n: int, *args, timeout: float = 300, show: bool = True, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `mpiexec -n n <this python> *args` and print what the ranks printed.
+    """Run `mpiexec -n n <this python> *args`; print the command and (with show) what the ranks printed.
 
     `args` are the Python arguments: ("-m", "refimpl", "verify", ...) or ("-c", PROGRAM). Returns
     the CompletedProcess (stdout and stderr as text); raises RuntimeError if the job fails and
@@ -204,9 +204,9 @@ def run_mpi(n: int, *args, timeout: float = 300, show: bool = True, check: bool 
     env.pop(ENV, None)  # the MPI programs are refimpl's own, never the exercises
     command = [find_mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    shown = [a if "\n" not in a else "PROGRAM" for a in map(str, args)]
+    print(f"$ mpiexec -n {n} python {' '.join(shown)}" + ("" if show else "   (output parsed below)"))
     if show:
-        shown = [a if "\n" not in a else "PROGRAM" for a in map(str, args)]
-        print(f"$ mpiexec -n {n} python {' '.join(shown)}")
         for stream in (done.stdout, done.stderr):
             for line in stream.rstrip().splitlines():
                 print(line if len(line) <= 400 else f"{line[:300]} ... ({len(line)} characters)")

@@ -117,6 +117,14 @@ def _inputs(size: int, length: int) -> list[np.ndarray]:
     return [(np.arange(length) + 1.0) * 10.0**r for r in range(size)]
 
 
+def _run(algorithm, buffers: list, length: int) -> list[int]:
+    """run_ring, with the ring's size and the buffer's length added to any complaint."""
+    try:
+        return run_ring(algorithm, buffers)
+    except (Deadlock, Wrong) as exc:
+        raise Wrong(f"with {len(buffers)} ranks and {length} elements: {exc}") from None
+
+
 def _blocks(length: int, size: int):
     counts = ring.block_counts(length, size)
     offsets = ring.block_offsets(counts)
@@ -131,10 +139,7 @@ def check_ring_allgather(ring_allgather) -> None:
         buffers = [np.full(length, np.nan) for _ in range(size)]
         for r in range(size):
             buffers[r][blocks[r]] = full[blocks[r]]  # rank r holds only its own block
-        try:
-            sent = run_ring(ring_allgather, buffers)
-        except Deadlock as exc:
-            raise Wrong(f"with {size} ranks and {length} elements: {exc}") from None
+        sent = _run(ring_allgather, buffers, length)
         for r in range(size):
             if not np.array_equal(buffers[r], full):
                 raise Wrong(f"with {size} ranks and {length} elements, rank {r} ends with {buffers[r]} "
@@ -151,10 +156,7 @@ def check_ring_reduce_scatter(ring_reduce_scatter) -> None:
         buffers = _inputs(size, length)
         total = np.sum(buffers, axis=0)
         blocks = _blocks(length, size)
-        try:
-            sent = run_ring(ring_reduce_scatter, buffers)
-        except Deadlock as exc:
-            raise Wrong(f"with {size} ranks and {length} elements: {exc}") from None
+        sent = _run(ring_reduce_scatter, buffers, length)
         for r in range(size):
             if not np.array_equal(buffers[r][blocks[r]], total[blocks[r]]):
                 raise Wrong(f"with {size} ranks and {length} elements, rank {r}'s block {r} is "

@@ -1,0 +1,188 @@
+"""The tutorials run to the end with the reference solutions, and every exercise's check fails on
+its unfilled stub (and on typical wrong answers) with a clear message.
+
+Each tutorial is run as a student would run it, `python tutorials/NN_name.py`, in a subprocess
+with REFIMPL_TUTORIAL_SOLUTIONS pointing at tutorials/solutions/: the stubs are swapped for the
+solutions and any check that does not pass raises. The stubs themselves are read from the
+tutorial's source (the functions decorated with `@ex.stub`) and handed to their checks here.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from mpi_util import check_ok, find_mpiexec, run_local
+
+from refimpl.tutorial import run_check
+
+REPO = Path(__file__).resolve().parents[1]
+TUTORIALS = sorted((REPO / "tutorials").glob("[0-9][0-9]_*.py"))
+SOLUTIONS = REPO / "tutorials" / "solutions"
+
+
+def ids(paths):
+    return [p.stem for p in paths]
+
+
+def exercises_of(path: Path) -> tuple[dict, list, dict]:
+    """(stub functions by name, [(number, check function, stub name)], the solutions) of a tutorial."""
+    tree = ast.parse(path.read_text())
+    stub_defs = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+                 and any(ast.unparse(d) == "ex.stub" for d in node.decorator_list)]
+    for node in stub_defs:
+        node.decorator_list = []
+    stubs: dict = {}
+    exec(compile(ast.Module(body=stub_defs, type_ignores=[]), str(path), "exec"), stubs)  # noqa: S102
+    namespace: dict = {}
+    imports = [node for node in tree.body if isinstance(node, ast.ImportFrom) and node.module.startswith("refimpl.tutorial")]
+    exec(compile(ast.Module(body=imports, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
+    checks = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "ex.check":
+            number, check, stub = node.args
+            checks.append((number.value, namespace[check.id], stub.id))
+    solutions: dict = {}
+    exec(compile((SOLUTIONS / path.name).read_text(), str(SOLUTIONS / path.name), "exec"), solutions)  # noqa: S102
+    return {n: stubs[n] for n in stubs if not n.startswith("__")}, checks, solutions
+
+
+def test_there_are_tutorials():
+    names = [p.stem for p in TUTORIALS]
+    for expected in ("01_autograd", "02_gpt", "03_collectives", "04_data_parallel", "07_pipeline_schedules",
+                     "08_zero_bubble"):
+        assert expected in names
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=ids(TUTORIALS))
+def test_tutorial_structure(path):
+    text = path.read_text()
+    first_cell = text.split("\n# %%", 1)[0]
+    assert text.startswith("# %% [markdown]\n# # "), "a tutorial opens with a Markdown cell holding its title"
+    assert f"**Launch:** `python tutorials/{path.name}`" in first_cell, "the launch line is stated at the top"
+    code = [line for line in text.splitlines() if not line.startswith("#")]
+    assert not [line for line in code if line.lstrip().startswith(("!", "%"))], "no notebook magics"
+    assert "get_ipython" not in text
+    assert 'ex = Exercises("' + path.stem + '")' in text
+    assert "ex.summary()" in text.rsplit("# %%", 1)[1], "the last cell runs the checks and the summary"
+    stubs, checks, solutions = exercises_of(path)
+    assert [n for n, _, _ in checks] == list(range(1, len(checks) + 1)), "exercises are numbered 1, 2, ..."
+    assert sorted(name for _, _, name in checks) == sorted(stubs), "every stub is checked, once"
+    for name in stubs:
+        assert callable(solutions.get(name)), f"tutorials/solutions/{path.name} defines {name}"
+        assert f"**Exercise {[n for n, _, s in checks if s == name][0]}.**" in text, "each exercise is explained"
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=ids(TUTORIALS))
+def test_every_check_fails_on_its_stub(path):
+    stubs, checks, _ = exercises_of(path)
+    for number, check, name in checks:
+        result = run_check(check, stubs[name])
+        assert result.status == "not done", f"exercise {number}: {result}"
+        assert name in result.message and "NotImplementedError" in result.message
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=ids(TUTORIALS))
+def test_every_check_passes_on_its_solution(path):
+    _, checks, solutions = exercises_of(path)
+    for number, check, name in checks:
+        result = run_check(check, solutions[name])
+        assert result.ok, f"exercise {number} ({name}): {result}"
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=ids(TUTORIALS))
+def test_tutorial_runs_with_solutions(path):
+    if "run_mpi(" in path.read_text() and find_mpiexec() is None:
+        pytest.skip("this tutorial launches mpiexec (pip install mpich)")
+    done = check_ok(run_local([path], timeout=300, env={"REFIMPL_TUTORIAL_SOLUTIONS": SOLUTIONS}))
+    n = len(exercises_of(path)[1])
+    assert f"{path.stem}: {n} of {n} exercises correct" in done.stdout
+
+
+def test_a_student_run_reports_each_exercise_and_finishes():
+    path = REPO / "tutorials" / "01_autograd.py"
+    done = check_ok(run_local([path], timeout=120, env={"REFIMPL_TUTORIAL_SOLUTIONS": None}))
+    assert re.findall(r"^Exercise (\d) \(.+\): not done yet -- \w+ still raises NotImplementedError", done.stdout,
+                      re.M) == ["1", "2", "3"]
+    assert "01_autograd: 0 of 3 exercises correct; not done yet: 1, 2, 3" in done.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrong answers are caught, with a message that says what differs
+# ------------------------------------------------------------------------------------------------
+
+
+def _wrong_ring_allgather(link, buf):
+    from refimpl.parallel import ring
+
+    n, r = link.size, link.rank
+    counts = ring.block_counts(buf.size, n)
+    offsets = ring.block_offsets(counts)
+    block = lambda b: buf[offsets[b]:offsets[b] + counts[b]]  # noqa: E731
+    for step in range(n - 1):
+        yield link.exchange(send=block(r), recv=block((r - step - 1) % n))  # always sends its own block
+
+
+def _local_mean_loss(model, x, y, global_count):
+    from refimpl.nn import functional as F
+
+    return F.cross_entropy(model(x), y)  # a mean over this rank only
+
+
+def _wrong_one_f_one_b(pp, m):
+    return [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)] for _ in range(pp)]  # GPipe's order
+
+
+WRONG = [
+    ("autograd", "check_sigmoid_backward", lambda y, g: y * (1 - y), "differs"),
+    ("autograd", "check_topological_order", lambda loss: [loss.grad_fn], "the graph has"),
+    ("gpt", "check_count_parameters", lambda v, t, n, c: 12 * n * c * c, "parameters; you counted"),
+    ("gpt", "check_cross_entropy", lambda logits, t, ignore_index=-100: 0.0, "differs"),
+    ("collectives", "check_ring_allgather", _wrong_ring_allgather, "ranks and"),
+    ("collectives", "check_allreduce_bytes", lambda n, size, rank, item: 2 * (size - 1) * n * item // size, "sends"),
+    ("data_parallel", "check_local_loss", _local_mean_loss, "not by its own"),
+    ("data_parallel", "check_assign_buckets", lambda sizes, b: [list(range(len(sizes)))], "buckets"),
+    ("schedules", "check_one_f_one_b", _wrong_one_f_one_b, "peak activations"),
+    ("schedules", "check_bubble_fraction", lambda p, m: (p - 1) / m, "bubble fraction"),
+    ("schedules", "check_zb_h1", lambda pp, m: [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)]
+                                                for _ in range(pp)], "idle time"),
+    ("checkpointing", "check_revolve_extra", lambda n, c: n - 1, "advances"),
+]
+
+
+@pytest.mark.parametrize("module, check, wrong, says", WRONG, ids=[w[1] for w in WRONG])
+def test_checks_explain_wrong_answers(module, check, wrong, says):
+    import importlib
+
+    result = run_check(getattr(importlib.import_module(f"refimpl.tutorial.{module}"), check), wrong)
+    assert result.status in ("wrong", "error") and says in result.message, result
+
+
+def test_an_error_in_the_students_code_is_reported_with_its_line():
+    from refimpl.tutorial.gpt import check_attention
+
+    def attention(q, k, v):
+        return q @ k  # shapes do not match
+
+    result = run_check(check_attention, attention)
+    assert result.status == "error" and "ValueError" in result.message and "in attention" in result.message
+
+
+def test_solutions_mode_swaps_stubs_and_raises_on_a_failing_check(monkeypatch):
+    from refimpl.tutorial import Exercises
+    from refimpl.tutorial.gpt import check_count_parameters
+
+    def attention(q, k, v):
+        raise NotImplementedError
+
+    monkeypatch.setenv("REFIMPL_TUTORIAL_SOLUTIONS", str(SOLUTIONS))
+    ex = Exercises("02_gpt")
+    assert ex.strict and ex.stub(attention) is not attention and ex.stub(attention).__name__ == "attention"
+    with pytest.raises(AssertionError, match="reference solution fails its check"):
+        ex.check(2, check_count_parameters, lambda *a: 0)
+    monkeypatch.setenv("REFIMPL_TUTORIAL_SOLUTIONS", "")
+    student = Exercises("02_gpt")
+    assert student.stub(attention) is attention
+    assert student.check(2, check_count_parameters, lambda *a: 0) is False  # printed, not raised
