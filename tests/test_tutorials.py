@@ -51,8 +51,8 @@ def exercises_of(path: Path) -> tuple[dict, list, dict]:
 
 def test_there_are_tutorials():
     names = [p.stem for p in TUTORIALS]
-    for expected in ("01_autograd", "02_gpt", "03_collectives", "04_data_parallel", "07_pipeline_schedules",
-                     "08_zero_bubble"):
+    for expected in ("01_autograd", "02_gpt", "03_collectives", "04_data_parallel", "05_zero", "06_checkpointing",
+                     "07_pipeline_schedules", "08_zero_bubble", "09_everything_together"):
         assert expected in names
 
 
@@ -149,6 +149,12 @@ WRONG = [
     ("schedules", "check_zb_h1", lambda pp, m: [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)]
                                                 for _ in range(pp)], "idle time"),
     ("checkpointing", "check_revolve_extra", lambda n, c: n - 1, "advances"),
+    ("checkpointing", "check_sqrt_cost", lambda n: (n - 1, 2 * int(n**0.5)), "extra forwards"),
+    ("zero", "check_model_state_bytes", lambda stage, psi, n, p, g, k: (p + g + k) * psi / n, "bytes per rank"),
+    ("zero", "check_sharded_update",  # only rank 0's block is updated
+     lambda opt, params, grads, n, states: opt.update(params[:len(params) // n], grads[:len(params) // n], states[0]),
+     "must update exactly its own block"),
+    ("composition", "check_gradient_group", lambda rank, dp, pp, schedule: [rank], "sums its gradients with"),
 ]
 
 

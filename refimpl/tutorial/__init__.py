@@ -92,9 +92,12 @@ def solutions_dir() -> Path | None:
 
 
 def _student_frame(exc: BaseException) -> str:
-    """'file:line in function' of the innermost frame outside this package (the student's code)."""
-    here = str(Path(__file__).parent)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(here)]
+    """'file:line in function' of the innermost frame of the student's code: outside refimpl if there
+    is one (the error surfaced in a library function the student called), else outside the checks."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    package, checks = str(Path(__file__).parents[1]), str(Path(__file__).parent)
+    frames = [f for f in frames if not f.filename.startswith(package)] or [
+        f for f in frames if not f.filename.startswith(checks)]
     if not frames:
         return ""
     f = frames[-1]

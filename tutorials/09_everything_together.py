@@ -1,0 +1,176 @@
+# %% [markdown]
+# # 09 · Everything together: data × pipeline parallelism with ZeRO and checkpointing
+#
+# **Launch:** `python tutorials/09_everything_together.py` from the repository root, in the
+# virtual environment (every part starts `mpiexec -n 4` through `subprocess`).
+#
+# The previous tutorials each took one idea on its own. A real training run combines them: N
+# processes form a grid of dp data-parallel replicas of a pipeline of pp stages; inside a stage,
+# activation checkpointing trades arithmetic for activation memory; across the copies of a stage,
+# ZeRO shards the optimizer state. This tutorial puts them together on 4 processes (dp = 2 × pp = 2)
+# and, as always, checks the result against one process.
+
+# %%
+import subprocess
+import sys
+
+from refimpl.parallel.pipeline import Costs, build, simulate
+from refimpl.tutorial import last_json, run_mpi
+
+# %% [markdown]
+# ## 1. The grid
+#
+# refimpl numbers the ranks of a dp × pp grid with the pipeline stage varying fastest,
+# rank = d · pp + p (`refimpl/parallel/mesh.py`), so each pipeline is a run of consecutive ranks,
+# which a launcher filling nodes one after the other keeps inside a node (see
+# `docs/cluster.md`). Each row is one pipeline running the schedule; each column holds the same
+# stage in every replica and sums its gradients.
+
+# %%
+dp, pp = 2, 2
+for d in range(dp):
+    print(f"replica d={d}: " + "   ".join(f"stage p={p} on rank {d * pp + p}" for p in range(pp)))
+
+# %% [markdown]
+# ## 2. What each rank holds
+#
+# `train --json` reports, for each pipeline rank, the model-state bytes it holds and the peak of
+# its saved activations, measured by the ledgers of tutorials 01 and 05. A 4-layer GPT (2 layers
+# per stage), float32 AdamW, 1F1B with 4 micro-batches; first as is, then with ZeRO-1 inside each
+# stage's group of dp = 2 copies, then with every block checkpointed as well:
+
+# %%
+MODEL = ["--model", "gpt", "--n-layer", "4", "--d-model", "32", "--seq-len", "8", "--batch-size", "16"]
+configs = {"plain": [], "ZeRO-1": ["--zero", "1"], "ZeRO-1 + checkpoint every:1": ["--zero", "1", "--checkpoint", "every:1"]}
+print(f"{'':28s} {'pipeline rank':>13s} {'parameters':>10s} {'gradients':>10s} {'optimizer':>10s} {'activations':>11s}")
+held = {}
+for name, extra in configs.items():
+    report = last_json(run_mpi(4, "-m", "refimpl", "train", *MODEL, "--steps", "1", "--pp", "2", "--schedule", "1f1b",
+                               "--micro-batches", "4", *extra, "--json", show=False))
+    state, peaks = report["pipeline"]["model_state_bytes"], report["pipeline"]["peak_activation_bytes"]
+    held[name] = (state, peaks)
+    for p in range(pp):
+        print(f"{name:28s} {p:13d} {state['parameters'][p]:10,d} {state['gradients'][p]:10,d} "
+              f"{state['optimizer_states'][p]:10,d} {peaks[p]:11,d}")
+plain, zero1, both = held.values()
+assert [2 * x for x in zero1[0]["optimizer_states"]] == plain[0]["optimizer_states"]
+assert all(b < a for a, b in zip(zero1[1], both[1]))
+
+# %% [markdown]
+# Each pipeline rank holds about half the model (its 2 blocks; stage 0 also the embeddings,
+# stage 1 the head). ZeRO-1 halves its optimizer state: the state of each stage is split between
+# the stage's two copies. Checkpointing every block cuts the saved activations; and rank 0 holds
+# more activations than rank 1 because in 1F1B the first stage keeps more micro-batches in
+# flight (pp − r of them, tutorial 07).
+#
+# ## 3. All of it at once, verified
+#
+# Data parallelism, a zero-bubble schedule with its split backward, ZeRO-1, sqrt checkpointing
+# inside each stage and dropout, on 4 processes, against one process that does none of it:
+
+# %%
+result = last_json(run_mpi(4, "-m", "refimpl", "verify", *MODEL, "--steps", "2", "--pp", "2", "--schedule", "zb1p",
+                           "--micro-batches", "4", "--zero", "1", "--checkpoint", "sqrt", "--dropout", "0.1", "--json",
+                           show=False))
+print(f"verify ok: {result['ok']}; largest |diff| {result['max_abs_diff']:.1e}; "
+      f"gradient group of {result['pipeline']['gradient_group']} ranks; stages of each rank "
+      f"{result['pipeline']['stages_of_rank']}")
+assert result["ok"]
+
+# %% [markdown]
+# DualPipe composes too. Its ranks hold two stages each (stage p and stage pp − 1 − p), so in a
+# 2-stage DualPipe both ranks of a replica hold both stages, and a stage's gradient group has
+# dp × 2 = 4 ranks: ZeRO-1 divides the optimizer state by four.
+
+# %%
+result = last_json(run_mpi(4, "-m", "refimpl", "verify", *MODEL, "--steps", "2", "--pp", "2", "--schedule", "dualpipe",
+                           "--micro-batches", "4", "--zero", "1", "--json", show=False))
+print(f"verify ok: {result['ok']}; gradient group of {result['pipeline']['gradient_group']} ranks; stages of each "
+      f"rank {result['pipeline']['stages_of_rank']}")
+assert result["ok"] and result["pipeline"]["gradient_group"] == 4
+
+# %% [markdown]
+# ## 4. What does not compose (yet)
+#
+# ZeRO-2 and ZeRO-3 shard gradients and parameters across data-parallel ranks inside the
+# backward pass; refimpl's pipeline executor does not combine with them, and says so before any
+# work starts, on every rank:
+
+# %%
+done = run_mpi(4, "-m", "refimpl", "train", *MODEL, "--steps", "1", "--pp", "2", "--zero", "3", check=False, show=False)
+message = done.stderr[done.stderr.index("error: "):].split("\n")[0].split("error: ")[1]  # ranks may share a line
+print(f"exit status {done.returncode}: error: {message}")
+assert done.returncode == 2
+
+# %% [markdown]
+# ## 5. Time: the bubble, simulated and measured
+#
+# The executor can replace each action's computation by a sleep of a fixed cost (`--action-costs`,
+# "sleep-cost mode"), so that a run's timeline can be compared with the simulator's prediction for
+# the same costs. Two 2-stage pipelines, 4 micro-batches each, F = I = W = 20 ms:
+
+# %%
+for schedule in ("1f1b", "zb1p"):
+    report = last_json(run_mpi(4, "-m", "refimpl", "train", *MODEL, "--steps", "2", "--pp", "2", "--schedule", schedule,
+                               "--micro-batches", "4", "--action-costs", "F=0.02,I=0.02,W=0.02", "--json", show=False))
+    timing = report["pipeline"]
+    exact = simulate(build(schedule, 2, 4), Costs(F=1, I=1, W=1), steady_state=False).bubble_fraction
+    print(f"{schedule}: bubble fraction at the nominal costs {float(exact):.3f}; in the run: simulated with the "
+          f"measured costs {timing['simulated_bubble']:.3f}, measured {timing['measured_bubble']:.3f}")
+
+# %% [markdown]
+# The run reports the simulator's prediction for the mean cost of each kind of action as measured
+# in this very run (a sleep of 20 ms lasts a little longer), and the bubble the ranks actually
+# spent waiting. The measurement adds what the simulator leaves out:
+# Python's own work around each action, message latency, and the operating system scheduling
+# four processes. `docs/pipeline_parallel.md`
+# measures all eight schedules this way. The `schedule` command gives the prediction for any
+# configuration before you launch it:
+
+# %%
+print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp", "2", "--micro-batches", "4",
+                      "--costs", "F=1,I=1,W=1"], capture_output=True, text=True, check=True).stdout)
+
+# %% [markdown]
+# ## Exercises
+#
+# **Exercise 1.** `mesh_coordinates(rank, dp, pp)`: the pair (d, p) of a world rank in the
+# dp × pp grid.
+#
+# **Exercise 2.** `stage_layers(n_layer, num_stages)`: how many of the model's layers each stage
+# gets: `n_layer // num_stages` each, and one more for the first `n_layer % num_stages` stages
+# (the last stage also carries the head and the loss).
+#
+# **Exercise 3.** `gradient_group(rank, dp, pp, schedule)`: the sorted list of world ranks that sum
+# their gradients with `rank`: every rank, in every replica, that holds the same stages. With
+# `"1f1b"` (stage p on pipeline rank p) and `"zbv"` (stages p and 2pp − 1 − p) that is the rank's
+# column; with `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so pipeline ranks p and
+# pp − 1 − p of every replica hold the same two stages.
+
+# %%
+from refimpl.tutorial import Exercises
+from refimpl.tutorial.composition import check_gradient_group, check_mesh_coordinates, check_stage_layers
+
+ex = Exercises("09_everything_together")
+
+
+@ex.stub
+def mesh_coordinates(rank, dp, pp):
+    raise NotImplementedError("exercise 1")
+
+
+@ex.stub
+def stage_layers(n_layer, num_stages):
+    raise NotImplementedError("exercise 2")
+
+
+@ex.stub
+def gradient_group(rank, dp, pp, schedule):
+    raise NotImplementedError("exercise 3")
+
+
+# %%
+ex.check(1, check_mesh_coordinates, mesh_coordinates)
+ex.check(2, check_stage_layers, stage_layers)
+ex.check(3, check_gradient_group, gradient_group)
+ex.summary()
