@@ -162,13 +162,13 @@ print("same gradient as our engine:", np.allclose(W1.grad, w1.grad, rtol=1e-12, 
 assert np.allclose(W1.grad, w1.grad, rtol=1e-12, atol=1e-14)
 
 # %% [markdown]
-# The ledger counted the arrays that the operations saved for their backward: `X` (4×3 float64,
-# 96 bytes; the first matmul needs it for dW₁), the tanh's output (4×5, 160 bytes; tanh's
-# backward and the second matmul both use it, and it is counted once) and `h` (4×2, 64 bytes,
-# for the square). `W1` and `W2` are parameters, model state rather than activations, and are not
-# counted. Those activation bytes are what activation checkpointing (tutorial 06) trades for recomputation and what pipeline
-# schedules (tutorials 07-08) keep in flight; refimpl measures them here, exactly, rather than
-# estimating them.
+# The ledger counted the arrays that the operations saved for their backward: `X` (4×3 float64, 96
+# bytes; the first matmul needs it for dW₁), the tanh's output (4×5, 160 bytes; tanh's backward and
+# the second matmul both use it, and it is counted once) and `h` (4×2, 64 bytes, for the square).
+# `W1` and `W2` are parameters, model state rather than activations, and are not counted. Those
+# activation bytes are what activation checkpointing (tutorial 06) trades for recomputation and what
+# pipeline schedules (tutorials 07-08) keep in flight; refimpl measures them here, exactly, rather
+# than estimating them.
 #
 # A new operation is a `Function` with a forward and a backward. `backward` receives the output's
 # gradient and `needs`, which inputs' gradients are wanted, and returns one gradient (or `None`)
@@ -236,9 +236,9 @@ assert all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b),
 # dimensions.
 #
 # **Exercise 3.** `topological_order(loss)`: the order the engine visits nodes in. Given a loss
-# Tensor, return the list of every `Function` in its graph (start at `loss.grad_fn`; a node's inputs are `node.inputs`, and an
-# input Tensor `t` was produced by `t.grad_fn`, `None` for leaves and constants), each node once,
-# and each node before the nodes that produced its inputs.
+# Tensor, return the list of every `Function` in its graph (start at `loss.grad_fn`; a node's inputs
+# are `node.inputs`, and an input Tensor `t` was produced by `t.grad_fn`, `None` for leaves and
+# constants), each node once, and each node before the nodes that produced its inputs.
 
 # %%
 from refimpl.tutorial import Exercises

@@ -29,7 +29,8 @@ from refimpl.tutorial.collectives import run_ring
 # `numpy.array_split`:
 
 # %%
-print("L = 10 over N = 4 ranks: block sizes", ring.block_counts(10, 4), "offsets", ring.block_offsets(ring.block_counts(10, 4)))
+counts = ring.block_counts(10, 4)
+print("L = 10 over N = 4 ranks: block sizes", counts, "offsets", ring.block_offsets(counts))
 
 # %% [markdown]
 # **Reduce-scatter**, N − 1 steps: in step s rank r sends its running sum of block (r − s − 1) to

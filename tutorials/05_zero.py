@@ -23,7 +23,6 @@ import sys
 
 import numpy as np
 
-from refimpl import memory
 from refimpl.nn import GPT, GPTConfig
 from refimpl.optim import AdamW
 from refimpl.parallel.zero.flat import FlatGroup
@@ -128,10 +127,10 @@ assert all(row["padded_params"] == row["params"] for row in report["rows"])
 # Reading it: every rank holds the same bytes, and the ledger equals the formula to the byte (this
 # model's buffers need no padding at N = 4). Stage by stage the optimizer states (K), then the
 # gradients (G), then the parameters (P) drop to a quarter. What the formula leaves out are the
-# transient buffers: ZeRO-2 fills a gradient bucket before reduce-scattering it (here the default
-# 1 MiB bucket holds the whole gradient), and ZeRO-3 gathers one module's parameters at a time
-# (the largest module here is the first MLP layer, 4,224 float32 numbers: 16,896 bytes). The same report counts the communication of the step
-# and finds the formulas of part 1:
+# transient buffers: ZeRO-2 fills a gradient bucket before reduce-scattering it (here the
+# default 1 MiB bucket holds the whole gradient), and ZeRO-3 gathers one module's parameters at a
+# time (the largest module here is the first MLP layer, 4,224 float32 numbers: 16,896 bytes). The
+# same report counts the communication of the step and finds the formulas of part 1:
 
 # %%
 for row in report["rows"]:
@@ -148,8 +147,8 @@ for row in report["rows"]:
 # %%
 FLAGS = ["--model", "gpt", "--n-layer", "2", "--d-model", "16", "--seq-len", "8", "--batch-size", "8", "--steps", "2"]
 for stage in (1, 3):
-    result = last_json(run_mpi(2, "-m", "refimpl", "verify", *FLAGS, "--zero", str(stage), "--grad-accum", "2", "--json",
-                               show=False))
+    result = last_json(run_mpi(2, "-m", "refimpl", "verify", *FLAGS, "--zero", str(stage), "--grad-accum", "2",
+                               "--json", show=False))
     print(f"ZeRO-{stage}: verify ok {result['ok']}, largest |diff| {result['max_abs_diff']:.1e}")
     assert result["ok"]
 

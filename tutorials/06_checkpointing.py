@@ -167,7 +167,7 @@ assert result["ok"]
 # plain backward bit for bit.
 
 # %%
-from refimpl.checkpointing.actions import Advance, Backprop, Free, Record, Restore, Snapshot  # noqa: F401 - for exercise 3
+from refimpl.checkpointing.actions import Advance, Backprop, Free, Record, Restore, Snapshot  # noqa: F401 - exercise 3
 from refimpl.tutorial import Exercises
 from refimpl.tutorial.checkpointing import check_every_k_schedule, check_revolve_extra, check_sqrt_cost
 

@@ -49,8 +49,9 @@ print("makespan", timeline.makespan, "| idle per rank", [int(x) for x in timelin
 # %% [markdown]
 # Each rank idles (p − 1)(F + B) = 3 × 3 = 9 units: rank r waits r·F at the start for the first
 # activation to arrive, (p − 1 − r)(F + B) between its forwards and its backwards for the first
-# gradient to come back, and r·B at the end while the ranks before it finish. Every rank does m(F + B) of work, so the **bubble fraction** (idle
-# over total time) is (p − 1) / (m + p − 1). More micro-batches amortise the bubble:
+# gradient to come back, and r·B at the end while the ranks before it finish. Every rank does
+# m(F + B) of work, so the **bubble fraction** (idle over total time) is (p − 1) / (m + p − 1).
+# More micro-batches amortise the bubble:
 
 # %%
 p = 4

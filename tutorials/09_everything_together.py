@@ -41,7 +41,8 @@ for d in range(dp):
 
 # %%
 MODEL = ["--model", "gpt", "--n-layer", "4", "--d-model", "32", "--seq-len", "8", "--batch-size", "16"]
-configs = {"plain": [], "ZeRO-1": ["--zero", "1"], "ZeRO-1 + checkpoint every:1": ["--zero", "1", "--checkpoint", "every:1"]}
+configs = {"plain": [], "ZeRO-1": ["--zero", "1"],
+           "ZeRO-1 + checkpoint every:1": ["--zero", "1", "--checkpoint", "every:1"]}
 print(f"{'':28s} {'pipeline rank':>13s} {'parameters':>10s} {'gradients':>10s} {'optimizer':>10s} {'activations':>11s}")
 held = {}
 for name, extra in configs.items():

@@ -224,4 +224,5 @@ def last_json(done: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1])
 
 
-__all__ = ["Exercises", "Wrong", "expect_close", "Result", "run_check", "solutions_dir", "run_mpi", "last_json", "find_mpiexec"]
+__all__ = ["Exercises", "Wrong", "expect_close", "Result", "run_check", "title", "solutions_dir", "run_mpi",
+           "last_json", "find_mpiexec"]

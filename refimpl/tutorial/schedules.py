@@ -13,13 +13,13 @@ from __future__ import annotations
 from fractions import Fraction
 
 from refimpl.parallel.pipeline import Costs, ScheduleError, build, parse_action, simulate, validate
-from refimpl.parallel.pipeline.actions import Action, linear_placement, make_schedule
+from refimpl.parallel.pipeline.actions import Action, Schedule, linear_placement, make_schedule
 from refimpl.parallel.pipeline.simulate import Deadlock, peak_in_flight
 
 from . import Wrong
 
 
-def to_schedule(name: str, pp: int, m: int, programs) -> "Schedule":  # noqa: F821 - for the reader
+def to_schedule(name: str, pp: int, m: int, programs) -> Schedule:
     """Per-rank lists of "F3"-style strings (or Actions) -> a validated Schedule on ranks 0..pp-1."""
     if not isinstance(programs, (list, tuple)) or len(programs) != pp:
         raise Wrong(f"return one list of actions per rank: {pp} lists for pp={pp}; got "

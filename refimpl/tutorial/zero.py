@@ -37,7 +37,8 @@ def check_shard_bounds(shard_bounds) -> None:
                 got = tuple(shard_bounds(sum(sizes), n, rank))
                 if got != expected:
                     raise Wrong(f"{sum(sizes)} elements over {n} ranks: the buffer is padded to {group.length} and "
-                                f"rank {rank} owns [{group.start}, {group.stop}); you said (length, start, stop) = {got}")
+                                f"rank {rank} owns [{group.start}, {group.stop}); you said (length, start, stop) = "
+                                f"{got}")
 
 
 def check_sharded_update(sharded_update) -> None:
