@@ -71,7 +71,7 @@ def largest_difference(a, b):
 print("counted targets per rank:", [count_targets(ys) for _, ys in split_batch(x, y, N, "ranks")])
 print(f"sum of ranks' gradients (global count) vs one process: {largest_difference(summed, reference):.1e}")
 print(f"average of ranks' means                vs one process: {largest_difference(averaged, reference):.1e}")
-assert largest_difference(summed, reference) < 1e-15 < 1e-6 < largest_difference(averaged, reference)
+assert largest_difference(summed, reference) < 1e-12 < 1e-6 < largest_difference(averaged, reference)
 
 # %% [markdown]
 # The first difference is rounding (float64 has about 16 digits; sums in a different order differ
