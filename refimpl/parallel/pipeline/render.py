@@ -18,6 +18,8 @@ refimpl depends on it.
 
 from __future__ import annotations
 
+from xml.sax.saxutils import escape  # "3&5" must be "3&amp;5" in SVG text
+
 import math
 from fractions import Fraction
 
@@ -137,7 +139,7 @@ def render_svg(timeline: Timeline, cell: int = 22, row: int = 26) -> str:
             h = (row - 2) * share
             out.append(f'<rect x="{x:.1f}" y="{y + offset:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}" stroke="#333" stroke-width="0.5"/>')
             offset += h
-        out.append(f'<text x="{x + w / 2:.1f}" y="{y + row * 0.6:.1f}" text-anchor="middle">{label}</text>')
+        out.append(f'<text x="{x + w / 2:.1f}" y="{y + row * 0.6:.1f}" text-anchor="middle">{escape(label)}</text>')
     legend = "F forward, B backward, I input grad, W weight grad; darker: second stage / direction 1"
     out.append(f'<text x="{left}" y="{height - 8}">{legend}</text>')
     out.append("</svg>")
