@@ -5,21 +5,39 @@ of importing numpy in a hot path, so the GPU backend is a switch, not a fork.
 
     from refimpl import backend
     xp = backend.xp()                 # the active array module
-    backend.set_backend("cupy")       # or REFIMPL_BACKEND=cupy in the environment
+    backend.set_backend("cupy")       # or --backend cupy, or REFIMPL_BACKEND=cupy in the environment
+    with backend.using("cupy"): ...   # the same for a block, then the previous backend again
     backend.to_host(array)            # a NumPy array, whatever the backend
 
-Nothing imports cupy unless it is asked for, and asking for it where it is missing is an error
-(never a silent fallback to NumPy).
+Nothing imports cupy unless it is asked for, and asking for it where it cannot run is an error
+that says why (never a silent fallback to NumPy).
+
+The few operations that NumPy and CuPy spell differently, or that cross between host and device
+memory, have one helper each here, so the rest of the code reads the same on both:
+
+    scatter_add(target, index, values)   target[index] += values, repeated indices adding up
+    on_device(array)                     whether the array lives in GPU memory
+    synchronize()                        wait until the GPU has finished the work queued so far
+    host_copy(array)                     a new NumPy array with the array's values
+    copy_from_host(target, host)         target[...] = host, across the host/device boundary
+
+What stays on the host by design: weight initialisation and dropout masks are drawn from NumPy
+Generators (so a seed gives the same model and the same masks on both backends, and checkpointing
+can save and replay a generator's state), and the data sets build NumPy batches; each is moved to
+the device with `asarray` where it is used. See docs/gpu.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 
 BACKENDS = ("numpy", "cupy")
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
+INSTALL_CUPY = ("pip install 'refimpl[cuda]' (cupy-cuda12x, for CUDA 12) or "
+                "pip install 'refimpl[cuda13]' (cupy-cuda13x, for CUDA 13)")
 
 _active_name: str | None = None
 _active_module = None
@@ -34,18 +52,40 @@ def set_backend(name: str) -> None:
     global _active_name, _active_module
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "numpy":
-        module = np
-    else:
-        try:
-            import cupy  # noqa: PLC0415 - imported only when asked for
-        except ImportError as exc:
-            raise BackendError(
-                "backend 'cupy' needs CuPy, which is not installed: "
-                "pip install 'refimpl[cuda]' (cupy-cuda12x) or pip install cupy-cuda13x"
-            ) from exc
-        module = cupy
+    module = np if name == "numpy" else _load_cupy()
     _active_name, _active_module = name, module
+
+
+def add_argument(parser) -> None:
+    """The --backend flag of every command that computes on arrays (cli.py applies it)."""
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="array module: numpy, or cupy for a GPU (default $REFIMPL_BACKEND, else numpy)")
+
+
+def _load_cupy():
+    """The cupy module, once it is known to reach a GPU; a BackendError that says why otherwise."""
+    try:
+        import cupy  # noqa: PLC0415 - imported only when asked for
+    except ImportError as exc:
+        raise BackendError(f"backend 'cupy' needs CuPy, which cannot be imported ({exc}): {INSTALL_CUPY}") from exc
+    try:  # importing CuPy needs no GPU; using one needs a driver and a visible device
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError: no driver, a driver too old, ...
+        raise BackendError(f"backend 'cupy': CuPy {cupy.__version__} is installed but cannot reach a GPU "
+                           f"({exc})") from exc
+    if devices == 0:
+        raise BackendError(f"backend 'cupy': CuPy {cupy.__version__} is installed but sees no GPU "
+                           "(is CUDA_VISIBLE_DEVICES empty?)")
+    return cupy
+
+
+def cupy_unavailable() -> str | None:
+    """None when the cupy backend can run here, else the one-line reason (for skipping GPU tests)."""
+    try:
+        _load_cupy()
+    except BackendError as exc:
+        return str(exc)
+    return None
 
 
 def name() -> str:
@@ -60,6 +100,17 @@ def xp():
     if _active_module is None:
         set_backend(os.environ.get("REFIMPL_BACKEND", "numpy"))
     return _active_module
+
+
+@contextlib.contextmanager
+def using(backend_name: str):
+    """Run a block with another backend active, then restore the previous one."""
+    previous = name()
+    set_backend(backend_name)
+    try:
+        yield xp()
+    finally:
+        set_backend(previous)
 
 
 def to_host(array) -> np.ndarray:
@@ -85,3 +136,48 @@ def check_dtype(dtype) -> np.dtype:
     if dt.name not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dt.name!r}; choose one of {', '.join(SUPPORTED_DTYPES)}")
     return dt
+
+
+# ------------------------------------------------------------------------------------------------
+# The operations NumPy and CuPy spell differently, and the host/device boundary
+# ------------------------------------------------------------------------------------------------
+
+
+def scatter_add(target, index, values) -> None:
+    """target[index] += values, where repeated indices add up (an embedding's backward).
+
+    `target[index] += values` would add only one of the repeats. NumPy spells the scatter-add
+    numpy.add.at; CuPy spells it cupy.add.at since ufuncs gained .at (CuPy 12), and
+    cupyx.scatter_add before. On a GPU the repeats are added with atomic operations, in no fixed
+    order: the sum agrees with NumPy's to rounding, not bit for bit.
+    """
+    module = xp()
+    if hasattr(module.add, "at"):
+        module.add.at(target, index, values)
+    else:  # an older CuPy
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(target, index, values)
+
+
+def on_device(array) -> bool:
+    """Whether `array` lives in GPU memory (a CuPy array; anything with __cuda_array_interface__)."""
+    return not isinstance(array, np.ndarray) and hasattr(array, "__cuda_array_interface__")
+
+
+def synchronize() -> None:
+    """Wait until the GPU has finished the work queued on the current stream (nothing on NumPy)."""
+    if name() == "cupy":
+        xp().cuda.get_current_stream().synchronize()
+
+
+def host_copy(array) -> np.ndarray:
+    """A new NumPy array holding `array`'s values (a device-to-host copy for a device array)."""
+    if on_device(array):
+        return array.get()  # waits for the work that writes `array`, then copies
+    return np.array(array, copy=True)
+
+
+def copy_from_host(target, host: np.ndarray) -> None:
+    """target[...] = host, where target may be a device array (a host-to-device copy)."""
+    target[...] = xp().asarray(host) if on_device(target) else host

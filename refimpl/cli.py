@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import sys
 
-from refimpl.backend import BackendError
+from refimpl.backend import BackendError, set_backend
 
 COMMANDS = {
     "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "backend", None) is not None:  # --backend, for every command that has it
+            set_backend(args.backend)
         return int(args._run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, BackendError) as exc:
         from refimpl.parallel.comm import existing_world  # noqa: PLC0415 - never creates a world

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from refimpl import backend
 from refimpl.console import emit_json, log
 from refimpl.memory import (COMM_FORMULAS, STAGE_FORMULAS, STAGE_NAMES, bytes_per_parameter, communication_elements,
                             format_gb, model_state_bytes, paper_table, parse_bytes, parse_count)
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-bytes", type=int, default=1 << 20)
     p.add_argument("--prefetch", type=parse_bytes, default=0, metavar="BYTES")
     p.add_argument("--param-threshold", type=int, default=0)
+    backend.add_argument(p)  # with a model: the arrays of the measured step
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 

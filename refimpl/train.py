@@ -303,8 +303,10 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         "config": asdict(cfg),
     }
     summary.update(trainer.report())
+    summary["backend"] = backend.name()
     if world is not None:
         summary["bytes_sent"] = world.counters_by_rank()  # per rank, by kind of call
+        summary.update(world.transfer_report())  # CUDA-aware MPI or host staging (parallel/staging.py)
     summary.update(memory_by_rank(trainer, world))  # model_state_bytes and peaks, per rank and category
     summary["_model"] = model
     return summary
@@ -353,8 +355,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints under DIR/step_NNNNNNNN/")
     p.add_argument("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (default: at the end)")
     p.add_argument("--resume", metavar="PATH", help="resume from a checkpoint directory (or the latest one under PATH)")
-    p.add_argument("--backend", choices=backend.BACKENDS, default=None,
-                   help="array module (default numpy, or $REFIMPL_BACKEND)")
+    backend.add_argument(p)
     p.add_argument("--checkpoint", default="none", metavar="PLAN",
                    help="activation checkpointing of the GPT's blocks: none, sqrt, every:K, revolve:C, budget:BYTES")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")

@@ -30,6 +30,7 @@ import argparse
 
 import numpy as np
 
+from refimpl import backend
 from refimpl.console import emit_json, log
 from refimpl.train import LocalTrainer, add_arguments as add_train_arguments, build_model, build_optimizer, \
     build_task, check_same_config, config_from_args, get_world, make_trainer
@@ -126,6 +127,8 @@ def run(args) -> int:
             **trainer.report(),
             "per_step": per_step,
             "bytes_sent": counters,
+            "backend": backend.name(),
+            **world.transfer_report(),  # CUDA-aware MPI or host staging (parallel/staging.py)
         }
     ok = world.bcast_object(None if result is None else result["ok"])
     if world.rank == 0:

@@ -343,7 +343,7 @@ class GetItem(Function):
 
     def backward(self, g, needs):
         grad = xp().zeros(self.in_shape, self.in_dtype)
-        xp().add.at(grad, self.index, g)  # repeated indices add up
+        backend.scatter_add(grad, self.index, g)  # repeated indices add up
         return (grad, None)
 
 

@@ -66,7 +66,7 @@ class Embedding(Function):
 
     def backward(self, g, needs):
         dw = xp().zeros(self.w_shape, g.dtype)
-        xp().add.at(dw, self.idx.reshape(-1), g.reshape(-1, g.shape[-1]))  # repeated tokens add up
+        backend.scatter_add(dw, self.idx.reshape(-1), g.reshape(-1, g.shape[-1]))  # repeated tokens add up
         return dw, None
 
 
@@ -313,6 +313,6 @@ def dropout(x: Tensor, p: float, generator, training: bool = True) -> Tensor:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
-    keep = generator.random(x.shape) >= p
+    keep = generator.random(x.shape) >= p  # a NumPy Generator: drawn on the host (nn/layers.py)
     mask = keep.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - p))
-    return Dropout.apply(x, Tensor(mask))
+    return Dropout.apply(x, Tensor(mask))  # Tensor(): to the active backend's memory

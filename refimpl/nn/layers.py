@@ -96,8 +96,10 @@ class _RowsOfGlobalMask:
 
 
 def _generator(seed):
-    xp = backend.xp()
-    return np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
+    """A NumPy Generator on every backend: masks are drawn on the host and moved to the device, so a
+    seed gives the same masks on CPU and GPU, and checkpointing can save and replay its state
+    (CuPy's generators expose no state to save)."""
+    return np.random.default_rng(seed)
 
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": ops.relu, "tanh": ops.tanh}

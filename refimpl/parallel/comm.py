@@ -63,8 +63,12 @@ it). Creating the MPI world also installs the failure handler (failure.py: an ex
 rank aborts the job with "[rank R] ErrorType: message") and, with more than one rank, the BLAS
 thread budget (threads.py). Launch: `mpiexec -n 4 python -m refimpl ...`.
 
-CuPy. Arrays reach MPI in exactly one place, `MPIComm._msg`; a device array is passed through
-(after synchronising the current stream), which needs a CUDA-aware MPI build.
+CuPy. Arrays reach MPI only through staging.HostCopies, in MPIComm: a device array goes to MPI
+directly when the MPI library is CUDA-aware, else through a host copy (copied back into the device
+array when the operation completes, also for non-blocking requests); see staging.py for the rule
+that detects a CUDA-aware MPI (REFIMPL_CUDA_AWARE_MPI=0/1 overrides it). The counters count the
+logical buffer either way. `transfer_report()` says which route this run takes (train and verify
+--json print it).
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ from collections import deque
 import numpy as np
 
 from refimpl import backend
-from refimpl.parallel import failure, ring, threads
+from refimpl.parallel import failure, ring, staging, threads
 
 COLLECTIVES = ("mpi", "ring")
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -223,9 +227,10 @@ class _RingLink:
 
 
 def _reduce_op(op: str):
+    """The active array module's ufunc for op (ring.py reduces arrays of the backend: numpy.add or cupy.add)."""
     if op not in OPS:
         raise ValueError(f"unknown reduction {op!r}; choose one of {', '.join(OPS)}")
-    return OPS[op]
+    return getattr(backend.xp(), OPS[op].__name__)
 
 
 def _check_collectives(collectives: str) -> str:
@@ -470,6 +475,11 @@ class Comm:
         other.collectives = _check_collectives(collectives)
         return other
 
+    def transfer_report(self) -> dict:
+        """How arrays reach MPI, for --json: cuda_aware_mpi (null: no MPI), its reason, host_staging
+        ("device", "all", "none" or null) and host_staged_buffers (host copies so far); staging.py."""
+        return dict(staging.NO_MPI_REPORT)
+
     @property
     def thread_budget(self):
         """The BLAS thread decision of this process (threads.ThreadBudget), or None."""
@@ -491,71 +501,95 @@ class Comm:
 
 
 class MPIComm(Comm):
-    """A Comm over an mpi4py communicator."""
+    """A Comm over an mpi4py communicator.
 
-    def __init__(self, mpi_comm, MPI, collectives: str = "mpi", counters: Counters | None = None):
+    Arrays reach MPI only through `HostCopies` (staging.py): each `_mpi_*` and point-to-point method
+    routes its buffers with `copies.read(send)` / `copies.write(recv)` -- the array itself, or a host
+    copy when `staging_rule` says so (a device array and an MPI library that is not CUDA-aware) --
+    and hands its result to `staging.issued`, which copies received data back to the device
+    after a blocking call, or wraps a non-blocking request so that `_test_all` / `_wait_all` do it
+    when they see the request complete.
+    """
+
+    def __init__(self, mpi_comm, MPI, collectives: str = "mpi", counters: Counters | None = None,
+                 staging_rule: staging.StagingRule | None = None):
         super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size(), collectives, counters or Counters())
         self._MPI = MPI
         self._comm = mpi_comm
         self._ring_comm = mpi_comm.Dup()  # ring messages never match the user's point-to-point
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self.world_rank = MPI.COMM_WORLD.Get_rank()
+        self.staging_rule = staging_rule or staging.StagingRule.from_environment(MPI)
 
-    def _msg(self, array):
-        """The one place where arrays are handed to MPI."""
-        if type(array) is not np.ndarray and not isinstance(array, np.ndarray):
-            # A device array (CuPy): MPI may read it only once the GPU has finished writing it.
-            backend.xp().cuda.get_current_stream().synchronize()
-        return array
+    def transfer_report(self) -> dict:
+        return self.staging_rule.report()
 
-    def _vector(self, flat):
-        """[flat, (counts, displacements)]: flat cut into this communicator's blocks."""
-        counts = ring.block_counts(flat.size, self.size)
-        return [self._msg(flat), (counts.tolist(), ring.block_offsets(counts).tolist())]
+    def _copies(self) -> staging.HostCopies:
+        """The buffers of one MPI call, routed directly or through host memory."""
+        return staging.HostCopies(self.staging_rule)
 
     def _mpi_allreduce(self, flat, op, blocking):
+        copies = self._copies()
         call = self._comm.Allreduce if blocking else self._comm.Iallreduce
-        return call(self._MPI.IN_PLACE, self._msg(flat), self._ops[op])
+        return staging.issued(call(self._MPI.IN_PLACE, copies.write(flat), self._ops[op]), copies, blocking)
 
     def _mpi_reduce_scatter(self, send, recv, op, blocking):
+        copies = self._copies()
+        source, target = copies.read(send), copies.write(recv)
         if send.size % self.size == 0:  # equal blocks
             call = self._comm.Reduce_scatter_block if blocking else self._comm.Ireduce_scatter_block
-            return call(self._msg(send), self._msg(recv), self._ops[op])
+            return staging.issued(call(source, target, self._ops[op]), copies, blocking)
         call = self._comm.Reduce_scatter if blocking else self._comm.Ireduce_scatter
         counts = ring.block_counts(send.size, self.size).tolist()
-        return call(self._msg(send), self._msg(recv), counts, self._ops[op])
+        return staging.issued(call(source, target, counts, self._ops[op]), copies, blocking)
 
     def _mpi_allgather(self, send, recv, blocking):
-        source = self._MPI.IN_PLACE if send is None else self._msg(send)
+        copies = self._copies()
+        source = self._MPI.IN_PLACE if send is None else copies.read(send)
+        target = copies.write(recv)  # in place: holds our block, which is sent
         if recv.size % self.size == 0:
             call = self._comm.Allgather if blocking else self._comm.Iallgather
-            return call(source, self._msg(recv))
+            return staging.issued(call(source, target), copies, blocking)
         call = self._comm.Allgatherv if blocking else self._comm.Iallgatherv
-        return call(source, self._vector(recv))
+        counts = ring.block_counts(recv.size, self.size)  # target cut into this communicator's blocks
+        vector = [target, (counts.tolist(), ring.block_offsets(counts).tolist())]
+        return staging.issued(call(source, vector), copies, blocking)
 
     def _mpi_bcast(self, flat, root, blocking):
-        return (self._comm.Bcast if blocking else self._comm.Ibcast)(self._msg(flat), root)
+        copies = self._copies()
+        call = self._comm.Bcast if blocking else self._comm.Ibcast
+        return staging.issued(call(copies.write(flat), root), copies, blocking)
 
     def _mpi_barrier(self, blocking):
         return self._comm.Barrier() if blocking else self._comm.Ibarrier()
 
     def _post_send(self, flat, dest, tag, internal=False):
-        return (self._ring_comm if internal else self._comm).Isend(self._msg(flat), dest, tag)
+        copies = self._copies()
+        comm = self._ring_comm if internal else self._comm
+        return staging.issued(comm.Isend(copies.read(flat), dest, tag), copies, blocking=False)
 
     def _post_recv(self, flat, source, tag, internal=False):
-        return (self._ring_comm if internal else self._comm).Irecv(self._msg(flat), source, tag)
+        copies = self._copies()
+        comm = self._ring_comm if internal else self._comm
+        return staging.issued(comm.Irecv(copies.write(flat), source, tag), copies, blocking=False)
 
     def _send(self, flat, dest, tag):
-        self._comm.Send(self._msg(flat), dest, tag)
+        copies = self._copies()
+        staging.issued(self._comm.Send(copies.read(flat), dest, tag), copies, blocking=True)
 
     def _recv(self, flat, source, tag):
-        self._comm.Recv(self._msg(flat), source, tag)
+        copies = self._copies()
+        staging.issued(self._comm.Recv(copies.write(flat), source, tag), copies, blocking=True)
 
     def _test_all(self, handles) -> bool:
-        return self._MPI.Request.Testall(handles)
+        if not self._MPI.Request.Testall(staging.mpi_requests(handles)):
+            return False
+        staging.completed(handles)  # received data back into device arrays, before anyone reads it
+        return True
 
     def _wait_all(self, handles) -> None:
-        self._MPI.Request.Waitall(handles)
+        self._MPI.Request.Waitall(staging.mpi_requests(handles))
+        staging.completed(handles)
 
     def _allgather_bytes(self, payload: bytes) -> list[bytes]:
         data = np.frombuffer(payload, dtype=np.uint8)
@@ -589,7 +623,7 @@ class MPIComm(Comm):
                                self.rank if key is None else int(key))
         if sub == self._MPI.COMM_NULL:
             return None
-        return MPIComm(sub, self._MPI, self.collectives, Counters(parent=self.counters))
+        return MPIComm(sub, self._MPI, self.collectives, Counters(parent=self.counters), self.staging_rule)
 
     def node_size(self) -> int:
         """Ranks of this communicator on this node (an MPI_COMM_TYPE_SHARED split)."""
