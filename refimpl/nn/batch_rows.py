@@ -34,25 +34,6 @@ def current() -> Rows | None:
     return _current
 
 
-class batch_rows:
-    """Context manager: forwards inside it process rows start:stop of global batch batch_id."""
-
-    def __init__(self, start: int, stop: int, global_size: int, batch_id: int) -> None:
-        if not 0 <= start <= stop <= global_size:
-            raise ValueError(f"batch_rows: rows {start}:{stop} are not inside a batch of {global_size}")
-        self.rows = Rows(start, stop, global_size, batch_id)
-
-    def __enter__(self) -> Rows:
-        global _current
-        self._previous, _current = _current, self.rows
-        return self.rows
-
-    def __exit__(self, *exc) -> bool:
-        global _current
-        _current = self._previous
-        return False
-
-
 class restored:
     """Context manager: run with `rows` (a Rows captured earlier by current(), or None) as the context.
 
@@ -72,3 +53,12 @@ class restored:
         global _current
         _current = self._previous
         return False
+
+
+class batch_rows(restored):
+    """Context manager: forwards inside it process rows start:stop of global batch batch_id."""
+
+    def __init__(self, start: int, stop: int, global_size: int, batch_id: int) -> None:
+        if not 0 <= start <= stop <= global_size:
+            raise ValueError(f"batch_rows: rows {start}:{stop} are not inside a batch of {global_size}")
+        super().__init__(Rows(start, stop, global_size, batch_id))
