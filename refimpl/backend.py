@@ -17,6 +17,7 @@ memory, have one helper each here, so the rest of the code reads the same on bot
 
     scatter_add(target, index, values)   target[index] += values, repeated indices adding up
     on_device(array)                     whether the array lives in GPU memory
+    array_module(array)                  numpy or cupy: where to allocate arrays that go with it
     synchronize()                        wait until the GPU has finished the work queued so far
     host_copy(array)                     a new NumPy array with the array's values
     copy_from_host(target, host)         target[...] = host, across the host/device boundary
@@ -163,6 +164,11 @@ def scatter_add(target, index, values) -> None:
 def on_device(array) -> bool:
     """Whether `array` lives in GPU memory (a CuPy array; anything with __cuda_array_interface__)."""
     return not isinstance(array, np.ndarray) and hasattr(array, "__cuda_array_interface__")
+
+
+def array_module(array):
+    """numpy for a NumPy array, else the active module (a device array's: cupy)."""
+    return np if isinstance(array, np.ndarray) else xp()
 
 
 def synchronize() -> None:

@@ -200,8 +200,9 @@ def test_all(requests) -> bool:
 class _RingLink:
     """One ring collective's view of the communicator: neighbours, a tag, what to count under."""
 
-    def __init__(self, comm: "Comm", kind: str, tag: int):
+    def __init__(self, comm: "Comm", kind: str, tag: int, module=np):
         self.comm, self.kind, self.tag = comm, kind, tag
+        self.module = module  # the buffers' array module: temporaries live in the same memory
         self.rank, self.size = comm.rank, comm.size
         self.right, self.left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
 
@@ -216,9 +217,8 @@ class _RingLink:
         """Send to the right and receive from the left, both at once (a Sendrecv)."""
         return self.receive(recv) + self.send(send)
 
-    @staticmethod
-    def empty(n: int, dtype):
-        return backend.xp().empty(n, dtype=dtype)
+    def empty(self, n: int, dtype):
+        return self.module.empty(n, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,11 +226,11 @@ class _RingLink:
 # ------------------------------------------------------------------------------------------------
 
 
-def _reduce_op(op: str):
-    """The active array module's ufunc for op (ring.py reduces arrays of the backend: numpy.add or cupy.add)."""
+def _reduce_op(op: str, like):
+    """The ufunc for op in the array module of `like` (numpy.add for a NumPy buffer, cupy.add for a CuPy one)."""
     if op not in OPS:
         raise ValueError(f"unknown reduction {op!r}; choose one of {', '.join(OPS)}")
-    return getattr(backend.xp(), OPS[op].__name__)
+    return getattr(backend.array_module(like), OPS[op].__name__)
 
 
 def _check_collectives(collectives: str) -> str:
@@ -279,8 +279,10 @@ class Comm:
     def _check_pair(send, recv, what: str) -> None:
         if send.dtype != recv.dtype:
             raise ValueError(f"{what}: sendbuf is {send.dtype} but recvbuf is {recv.dtype}")
-        may_share = getattr(backend.xp(), "may_share_memory", np.may_share_memory)
-        if send.size and recv.size and type(send) is type(recv) and may_share(send, recv):
+        if backend.array_module(send) is not backend.array_module(recv):
+            raise ValueError(f"{what}: sendbuf is a {type(send).__module__} array but recvbuf is a "
+                             f"{type(recv).__module__} array; both must live in the same memory")
+        if send.size and recv.size and backend.array_module(send).may_share_memory(send, recv):
             raise ValueError(f"{what}: sendbuf and recvbuf overlap" + (
                 "; pass sendbuf=None for an in-place all-gather" if what == "allgather" else ""))
 
@@ -297,7 +299,8 @@ class Comm:
     def _ring(self, kind: str, algorithm, args, blocking: bool, result):
         """Run a ring algorithm; its bytes are counted message by message."""
         self.counters.record(kind)  # the call; bytes follow at each send
-        steps = algorithm(_RingLink(self, kind, next(self._tags) % (MAX_TAG + 1)), *args)
+        link = _RingLink(self, kind, next(self._tags) % (MAX_TAG + 1), backend.array_module(args[0]))
+        steps = algorithm(link, *args)
         if blocking:
             ring.run(steps, self._wait_all)
             return None
@@ -316,7 +319,7 @@ class Comm:
 
     def _allreduce(self, buf, op, blocking):
         flat = self._flat(buf, "buf", writable=True)
-        reduce = _reduce_op(op)
+        reduce = _reduce_op(op, flat)
         if self.collectives == "ring":
             return self._ring("allreduce", ring.allreduce, (flat, reduce), blocking, buf)
         return self._builtin("allreduce", flat, self._mpi_allreduce, (flat, op), blocking, buf)
@@ -331,10 +334,10 @@ class Comm:
 
     def _reduce_scatter(self, sendbuf, recvbuf, op, blocking):
         send = self._flat(sendbuf, "sendbuf", writable=False)
-        reduce = _reduce_op(op)
+        reduce = _reduce_op(op, send)
         count = ring.block_count(send.size, self.size, self.rank)
-        if recvbuf is None:
-            recvbuf = backend.xp().empty(count, dtype=send.dtype)
+        if recvbuf is None:  # in the memory of sendbuf (host or device)
+            recvbuf = backend.array_module(send).empty(count, dtype=send.dtype)
         recv = self._flat(recvbuf, "recvbuf", writable=True)
         if recv.size != count:
             raise ValueError(f"reduce_scatter: recvbuf has {recv.size} elements, but rank {self.rank}'s "
@@ -360,7 +363,7 @@ class Comm:
             if sendbuf is None:
                 raise ValueError("allgather: give sendbuf, recvbuf or both")
             send = self._flat(sendbuf, "sendbuf", writable=False)
-            recvbuf = backend.xp().empty(send.size * self.size, dtype=send.dtype)  # equal blocks
+            recvbuf = backend.array_module(send).empty(send.size * self.size, dtype=send.dtype)  # equal blocks
         recv = self._flat(recvbuf, "recvbuf", writable=True)
         count = ring.block_count(recv.size, self.size, self.rank)
         send = None
