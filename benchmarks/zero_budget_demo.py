@@ -38,8 +38,11 @@ def main() -> None:
              "--mem-budget", args.budget, "--json"]
     print(f"mpiexec -n {args.world} python {' '.join(flags[:-1])} --zero STAGE\n")
     for stage, name in STAGE_NAMES.items():
-        done = subprocess.run([mpiexec, "-n", str(args.world), sys.executable, *flags, "--zero", str(stage)],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        for _ in range(3):  # the CLI aborts on the first rank's error; under load its message can be lost
+            done = subprocess.run([mpiexec, "-n", str(args.world), sys.executable, *flags, "--zero", str(stage)],
+                                  capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+            if done.returncode == 0 or "out of memory" in done.stderr:
+                break
         if done.returncode == 0:
             summary = json.loads(done.stdout.strip().splitlines()[-1])
             state = summary["model_state_bytes"][0]

@@ -223,7 +223,7 @@ def test_train_json_reports_model_state_bytes_per_rank_and_budget_demo():
     # DP needs (4+4+8)Ψ = 1.64 MB of model state and runs out while allocating optimizer state;
     # ZeRO-3 holds 16Ψ/4 = 410 kB and trains.
     flags = ["-m", "refimpl", "train", "--model", "gpt", "--steps", "2", "--batch-size", "8", "--mem-budget", "1.2MB"]
-    dp = run_mpi(4, flags + ["--zero", "0"], timeout=120)
+    dp = run_mpi_error(4, flags + ["--zero", "0"], timeout=120)
     assert dp.returncode == 2
     assert_one_line_errors(dp, "optimizer states")
     assert "over the budget of 1.2 MB" in dp.stderr
@@ -267,6 +267,20 @@ def test_memory_command_measures_the_ledger_beside_the_formula():
     assert rows[3]["peak"]["gathered_parameters"] > 0 and rows[0]["peak"]["gathered_parameters"] == 0
 
 
+def run_mpi_error(n: int, args, timeout: float = 60):
+    """run_mpi for a command that must fail, launched again (up to twice) if no rank's message came back.
+
+    The CLI aborts the whole job on the first rank's error (cli.py, MPI_Abort); on a loaded machine
+    MPICH's process manager can end the job before it forwards what that rank wrote, so stderr comes
+    back empty while the exit status is right. That race is not what these tests are about.
+    """
+    for _ in range(3):
+        done = run_mpi(n, args, timeout=timeout)
+        if done.returncode == 0 or "error:" in done.stderr:
+            break
+    return done
+
+
 def assert_one_line_errors(done, message: str) -> None:
     """Exit status 2; every rank that got to print said `message` in one line (the CLI aborts the job on the
     first rank's error, so the others may be stopped before they print); no traceback, no hang."""
@@ -277,9 +291,9 @@ def assert_one_line_errors(done, message: str) -> None:
 
 
 def test_bad_zero_input_is_one_clear_line_and_stops_every_rank():
-    unknown = run_mpi(2, ["-m", "refimpl", "train", "--zero", "5", "--steps", "1"], timeout=60)
+    unknown = run_mpi_error(2, ["-m", "refimpl", "train", "--zero", "5", "--steps", "1"])
     assert_one_line_errors(unknown, "unknown ZeRO stage 5; choose --zero 0 (data parallel), 1, 2 or 3")
-    tiny = run_mpi(2, ["-m", "refimpl", "train", "--zero", "3", "--mem-budget", "1kB", "--steps", "1"], timeout=60)
+    tiny = run_mpi_error(2, ["-m", "refimpl", "train", "--zero", "3", "--mem-budget", "1kB", "--steps", "1"])
     assert_one_line_errors(tiny, "out of memory on rank")
     assert "(parameter shard)" in tiny.stderr and "over the budget of 1.0 kB" in tiny.stderr
     mixed = run_local(["-m", "refimpl", "verify", "--dtype", "mixed", "--zero", "2"])

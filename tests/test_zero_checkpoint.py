@@ -8,7 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from mpi_util import run_local, run_local_json, run_mpi, run_mpi_json
+from mpi_util import run_local, run_local_json, run_mpi_json
+from test_zero import run_mpi_error
 
 from refimpl.parallel.zero import checkpoint as sharded
 from refimpl.train import TrainConfig, build_model, build_task, train
@@ -107,14 +108,15 @@ def test_corrupt_or_missing_shard_is_a_clear_error_and_overwrites_nothing(saved,
     assert len(done.stderr.strip().splitlines()) == 1
     assert out.read_bytes() == b"do not overwrite me" and not os.path.exists(str(out) + ".tmp")
     # resuming from the corrupt checkpoint: every rank stops before training or saving anything
-    resumed = run_mpi(2, TRAIN + ["--zero", "2", "--resume", corrupt, "--save-dir", tmp_path / "never"], timeout=120)
+    resumed = run_mpi_error(2, TRAIN + ["--zero", "2", "--resume", corrupt, "--save-dir", tmp_path / "never"],
+                            timeout=120)
     assert resumed.returncode == 2 and "is corrupt" in resumed.stderr and "Traceback" not in resumed.stderr
     assert not (tmp_path / "never").exists()
 
 
 def test_checkpoint_from_another_model_is_a_clear_error(saved, tmp_path):
     other = [a if a != "8" else "16" for a in TRAIN]  # --d-model 16 (and --seq-len 16: a different task too)
-    done = run_mpi(2, other + ["--zero", "1", "--resume", saved / "run" / "step_00000003"], timeout=120)
+    done = run_mpi_error(2, other + ["--zero", "1", "--resume", saved / "run" / "step_00000003"], timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if "error:" in line]
     assert lines and all("is from another model" in line for line in lines), done.stderr
