@@ -78,6 +78,7 @@ import itertools
 import os
 import pickle
 import sys
+import time
 from collections import deque
 
 import numpy as np
@@ -95,6 +96,7 @@ LAUNCHER_VARIABLES = (
     "MPI_LOCALNRANKS",  # MPICH (hydra)
     "MV2_COMM_WORLD_SIZE",  # MVAPICH
 )
+ABORT_GRACE_S = 0.25  # seconds between printing an abort's message and killing the job
 MAX_TAG = 32767  # the largest tag every MPI library must accept
 
 
@@ -641,6 +643,9 @@ class MPIComm(Comm):
             sys.stderr.write(f"[rank {self.world_rank}] {message}\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        # Give the launcher a moment to forward what was just written: MPI_Abort has the process
+        # manager kill every rank at once, and under load a line still in flight could be lost.
+        time.sleep(ABORT_GRACE_S)
         self._MPI.COMM_WORLD.Abort(code)
         os._exit(code)  # not reached: MPI_Abort does not return
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from typing import Callable
 
@@ -68,14 +69,19 @@ def report(rank: int, exc: BaseException, tb=None) -> str:
     return "\n".join(lines + [summary]) + "\n"
 
 
-def install(rank: int, abort: Callable[[int], None]) -> None:
-    """Report uncaught exceptions (main and other threads) as `[rank R] ...`, then `abort(code)`."""
+def install(rank: int, abort: Callable[[int], None], grace_s: float = 0.25) -> None:
+    """Report uncaught exceptions (main and other threads) as `[rank R] ...`, then `abort(code)`.
+
+    grace_s: a pause between the report and the abort, so that the launcher forwards the report
+    before it kills every rank.
+    """
     global _installed_rank
 
     def hook(exc_type, exc, tb):
         try:
             sys.stderr.write(report(rank, exc, tb))
             sys.stderr.flush()
+            time.sleep(grace_s)
         finally:
             abort(exit_code(exc))
 
