@@ -19,6 +19,8 @@ The same cases run on the NumPy backend on every machine (tests/test_backend.py)
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -27,6 +29,8 @@ from mpi_util import run_local_json
 from refimpl import backend
 
 UNAVAILABLE = backend.cupy_unavailable()
+if UNAVAILABLE is not None and os.environ.get("REFIMPL_REQUIRE_GPU") == "1":  # gpu_check.sh: no silent skips
+    raise RuntimeError(f"REFIMPL_REQUIRE_GPU=1 but {UNAVAILABLE}")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(UNAVAILABLE is not None, reason=f"needs CuPy and a GPU: {UNAVAILABLE}")]
 
