@@ -10,8 +10,8 @@ from __future__ import annotations
 
 
 def squared_norm(arrays) -> float:
-    """Σ‖a‖² over the arrays (float64 accumulation)."""
-    return float(sum(float((a.astype("float64") ** 2).sum()) for a in arrays if a is not None))
+    """Σ‖a‖² over the arrays (float64 accumulation; on a GPU, one device-to-host read at the end)."""
+    return float(sum((a.astype("float64") ** 2).sum() for a in arrays if a is not None))
 
 
 def clip_coefficient(total_squared_norm: float, max_norm: float) -> float:
