@@ -80,6 +80,19 @@ def _load_cupy():
     return cupy
 
 
+def use_local_gpu(local_rank: int) -> int | None:
+    """On the CuPy backend, make GPU (local_rank mod the GPUs visible) current; return its number.
+
+    comm.py calls it when it creates the MPI world, so that the ranks on a node spread over its
+    GPUs (a launcher that gives each rank one GPU through CUDA_VISIBLE_DEVICES leaves GPU 0).
+    """
+    if name() != "cupy":
+        return None
+    device = local_rank % xp().cuda.runtime.getDeviceCount()
+    xp().cuda.Device(device).use()
+    return device
+
+
 def cupy_unavailable() -> str | None:
     """None when the cupy backend can run here, else the one-line reason (for skipping GPU tests)."""
     try:

@@ -132,6 +132,16 @@ def test_host_copy_and_copy_from_host():
     backend.synchronize()  # nothing to wait for on NumPy
 
 
+def test_ranks_on_a_node_spread_over_its_gpus(monkeypatch):
+    assert backend.use_local_gpu(3) is None  # nothing to choose on NumPy
+    used = []
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 4),
+                                 Device=lambda i: types.SimpleNamespace(use=lambda: used.append(i)))
+    monkeypatch.setattr(backend, "_active_name", "cupy")
+    monkeypatch.setattr(backend, "_active_module", types.SimpleNamespace(cuda=cuda))
+    assert [backend.use_local_gpu(rank) for rank in range(6)] == [0, 1, 2, 3, 0, 1] and used == [0, 1, 2, 3, 0, 1]
+
+
 # -- the backend-generic cases, on NumPy --------------------------------------------------------
 
 

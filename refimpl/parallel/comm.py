@@ -780,4 +780,8 @@ def _create_mpi_world() -> MPIComm:
     world = MPIComm(MPI.COMM_WORLD, MPI)
     if world.size > 1:
         threads.apply(world.node_size())
+    if backend.name() == "cupy":  # one GPU per rank on a node, before any array is made
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+        backend.use_local_gpu(node.Get_rank())
+        node.Free()
     return world
