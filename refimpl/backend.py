@@ -10,7 +10,9 @@ of importing numpy in a hot path, so the GPU backend is a switch, not a fork.
     backend.to_host(array)            # a NumPy array, whatever the backend
 
 Nothing imports cupy unless it is asked for, and asking for it where it cannot run is an error
-that says why (never a silent fallback to NumPy).
+that says why (never a silent fallback to NumPy); `cupy_unavailable()` gives that reason without
+raising (the GPU tests skip on it). Under mpiexec each rank takes one GPU of its node
+(`use_local_gpu`, called when the MPI world is created).
 
 The few operations that NumPy and CuPy spell differently, or that cross between host and device
 memory, have one helper each here, so the rest of the code reads the same on both:
@@ -161,8 +163,8 @@ def scatter_add(target, index, values) -> None:
     """target[index] += values, where repeated indices add up (an embedding's backward).
 
     `target[index] += values` would add only one of the repeats. NumPy spells the scatter-add
-    numpy.add.at; CuPy spells it cupy.add.at since ufuncs gained .at (CuPy 12), and
-    cupyx.scatter_add before. On a GPU the repeats are added with atomic operations, in no fixed
+    numpy.add.at; CuPy spells it cupy.add.at where its ufuncs have .at (recent versions: CuPy 14
+    has it, and deprecates the older spelling), and cupyx.scatter_add before. On a GPU the repeats are added with atomic operations, in no fixed
     order: the sum agrees with NumPy's to rounding, not bit for bit.
     """
     module = xp()
