@@ -62,16 +62,17 @@ def test_gpt_training_steps_match_numpy(options):
     assert_same(got, want, what=f"GPT steps {options}")
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-12), ("float32", 1e-6), ("float16", 1e-2)])
-def test_scatter_add_on_the_device(cp, dtype, rtol):
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+def test_scatter_add_on_the_device(cp, dtype):
+    """Atomic adds of many repeats; integer values, so every order of addition gives the same sums."""
     rng = np.random.default_rng(0)
-    index = rng.integers(0, 4, 64)  # many repeats of 4 rows
-    values = rng.standard_normal((64, 3)).astype(dtype)
+    index = rng.integers(0, 4, 64)  # 64 rows added into 4
+    values = rng.integers(-4, 5, (64, 3)).astype(dtype)  # sums stay small integers: exact in float16
     want = np.zeros((4, 3), dtype)
     np.add.at(want, index, values)
     target = cp.zeros((4, 3), dtype)
     backend.scatter_add(target, cp.asarray(index), cp.asarray(values))
-    np.testing.assert_allclose(backend.to_host(target), want, rtol=rtol, atol=rtol)
+    np.testing.assert_array_equal(backend.to_host(target), want)
 
 
 def test_device_buffers_are_staged_through_host_memory(cp):
