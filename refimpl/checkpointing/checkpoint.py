@@ -68,8 +68,12 @@ class RecomputingFunction(Function):
     second backward with retain_graph=True) recomputes.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._ready: dict = {}  # input index -> gradient computed but not yet handed out
+
     def backward(self, *grad_outputs, needs):
-        ready = self.__dict__.setdefault("_ready", {})
+        ready = self._ready
         if any(n and i not in ready for i, n in enumerate(needs)):
             grads = self.input_gradients(grad_outputs)
             ready.clear()
