@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Launch: bash benchmarks/gpu_check.sh        (OUT=DIR to keep the figures; PYTHON=... for another Python)
+# Launch: bash benchmarks/gpu_check.sh        (OUT=DIR to keep the figures; PYTHON=... for another Python;
+#                                             BENCH_ARGS="--configs small --repeats 1" for a shorter step 4)
 #
 # The GPU check of refimpl's CuPy backend, from the source tree (PYTHONPATH=., no install step), on a
 # machine with a GPU and CuPy but possibly no MPI library and no network, in under 5 minutes:
@@ -69,7 +70,7 @@ step() {
 step gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "not verify-dp and not verify-zero3"
 step verify_dp 35 "$PY" -m refimpl verify --backend cupy --json
 step verify_zero3 35 "$PY" -m refimpl verify --backend cupy --zero 3 --json
-step bench 70 "$PY" benchmarks/bench_gpu.py
+step bench 70 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:-}
 
 # -- the figures ----------------------------------------------------------------------------------
 "$PY" - "$WORK" "$((SECONDS - START))" > "$WORK/figures.json" <<'EOF'

@@ -1,0 +1,1 @@
+"""cupyx.scipy for the CPU stand-in of CuPy."""
