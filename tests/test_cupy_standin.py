@@ -7,9 +7,10 @@ would fail on a GPU. With tests/cupy_standin first on PYTHONPATH, in subprocesse
 
   * the stand-in's own strictness, so that a pass below means something;
   * tests/test_gpu.py and benchmarks/gpu_check.sh, unchanged, as a GPU machine runs them;
-  * verify under mpiexec with device arrays, staged through host memory (an MPI that is not
-    CUDA-aware) and handed to MPI directly (a CUDA-aware one): both pass, and both send exactly
-    the bytes the NumPy backend sends.
+  * under mpiexec, device arrays staged through host memory (an MPI that is not CUDA-aware) and
+    handed to MPI directly (a CUDA-aware one): the collectives program (every collective, blocking
+    and non-blocking, ring and built-in, point-to-point, with its byte counts), and verify, which
+    passes and sends exactly the bytes, with the same losses, as on the NumPy backend.
 
 What the stand-in cannot show: speed, GPU memory, cuBLAS's rounding, the order of atomic adds.
 """
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from mpi_util import REPO, check_ok, clean_env, last_json, run_local, run_mpi_json
+from mpi_util import PROGRAMS, REPO, check_ok, clean_env, last_json, run_local, run_mpi_json
 
 STANDIN = Path(__file__).resolve().parent / "cupy_standin"
 ON_STANDIN = {"PYTHONPATH": os.pathsep.join([str(STANDIN), str(REPO)])}
+CUDA_AWARE = {**ON_STANDIN, "REFIMPL_CUDA_AWARE_MPI": "1", "CUPY_STANDIN_CUDA_AWARE": "1"}
 
 STRICTNESS = r'''
 import json, numpy as np, cupy
@@ -92,6 +94,20 @@ def test_gpu_check_passes_on_the_standin(tmp_path):
     assert bench["results"][0]["loss_rel_diff"] < 1e-5  # the same float32 arithmetic underneath
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,route", [(2, "staged"), (3, "staged"), (3, "direct")])
+def test_every_collective_on_device_arrays(n, route):
+    """Values, in-place forms, non-blocking requests, point-to-point, ring steps and byte counters."""
+    env = CUDA_AWARE if route == "direct" else ON_STANDIN
+    result = run_mpi_json(n, [PROGRAMS / "collectives.py", "--device"], timeout=120, env=env)
+    assert result["world_size"] == n and result["comm"] == "MPIComm"
+    assert result["failure_count"] == 0, "\n".join(result["failures"])
+    if route == "staged":
+        assert result["host_staging"] == "device" and result["host_staged_buffers"] > 0
+    else:
+        assert result["host_staging"] == "none" and result["host_staged_buffers"] == 0
+
+
 VERIFY_FLAGS = {
     "ddp-bucketed": [],
     "ddp-ring": ["--collectives", "ring"],
@@ -109,8 +125,7 @@ def test_device_arrays_over_mpi_staged_and_direct(name):
     args = ["-m", "refimpl", "verify", *VERIFY_FLAGS[name], "--json"]
     on_numpy = run_mpi_json(2, args, timeout=120)
     staged = run_mpi_json(2, [*args, "--backend", "cupy"], timeout=120, env=ON_STANDIN)
-    direct = run_mpi_json(2, [*args, "--backend", "cupy"], timeout=120,
-                          env={**ON_STANDIN, "REFIMPL_CUDA_AWARE_MPI": "1", "CUPY_STANDIN_CUDA_AWARE": "1"})
+    direct = run_mpi_json(2, [*args, "--backend", "cupy"], timeout=120, env=CUDA_AWARE)
     assert on_numpy["ok"] and staged["ok"] and direct["ok"]
     assert staged["backend"] == direct["backend"] == "cupy"
     assert staged["cuda_aware_mpi"] is False and staged["host_staging"] == "device"
@@ -118,3 +133,5 @@ def test_device_arrays_over_mpi_staged_and_direct(name):
     assert direct["cuda_aware_mpi"] is True and direct["host_staging"] == "none"
     assert direct["host_staged_buffers"] == 0
     assert staged["bytes_sent"] == direct["bytes_sent"] == on_numpy["bytes_sent"]
+    losses = [[s["loss"] for s in run["per_step"]] for run in (on_numpy, staged, direct)]
+    assert losses[0] == losses[1] == losses[2]  # the same NumPy arithmetic underneath, in the same order

@@ -482,7 +482,7 @@ class Comm:
 
     def transfer_report(self) -> dict:
         """How arrays reach MPI, for --json: cuda_aware_mpi (null: no MPI), its reason, host_staging
-        ("device", "all", "none" or null) and host_staged_buffers (host copies so far); staging.py."""
+        ("device", "none" or null) and host_staged_buffers (host copies so far); staging.py."""
         return dict(staging.NO_MPI_REPORT)
 
     @property

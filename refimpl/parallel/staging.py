@@ -18,8 +18,8 @@ array by a `StagingRule`:
     NumPy arrays                                   direct: they are host memory
     device arrays, MPI CUDA-aware                  direct
     device arrays, MPI not CUDA-aware              staged
-    any array, REFIMPL_FORCE_HOST_STAGING=1        staged (a test mode: the staging code runs in CI,
-                                                   on NumPy arrays, where no GPU is)
+
+Both routes run in CI without a GPU, on the CPU stand-in for CuPy (tests/test_cupy_standin.py).
 
 Is MPI CUDA-aware? (`cuda_aware_mpi`; the rule, in order)
     1. REFIMPL_CUDA_AWARE_MPI=1 or =0, if set, decides.
@@ -81,26 +81,22 @@ def cuda_aware_mpi(MPI, environ=os.environ) -> tuple[bool, str]:
 class StagingRule:
     """Which arrays reach MPI through a host copy, and how many did so far."""
 
-    def __init__(self, cuda_aware: bool = False, force: bool = False, reason: str = "") -> None:
-        self.cuda_aware, self.force, self.reason = cuda_aware, force, reason
+    def __init__(self, cuda_aware: bool = False, reason: str = "") -> None:
+        self.cuda_aware, self.reason = cuda_aware, reason
         self.staged_buffers = 0  # host copies made so far (this process, every communicator)
 
     @classmethod
     def from_environment(cls, MPI, environ=os.environ) -> "StagingRule":
-        """The rule for this MPI library and environment (REFIMPL_FORCE_HOST_STAGING=1 forces staging)."""
-        forced = environ.get("REFIMPL_FORCE_HOST_STAGING", "")
-        if forced not in ("", "0", "1"):
-            raise ValueError(f"REFIMPL_FORCE_HOST_STAGING must be 0 or 1, got {forced!r}")
-        cuda_aware, reason = cuda_aware_mpi(MPI, environ)
-        return cls(cuda_aware, forced == "1", reason)
+        """The rule for this MPI library and environment."""
+        return cls(*cuda_aware_mpi(MPI, environ))
 
     def stages(self, array) -> bool:
-        return self.force or (backend.on_device(array) and not self.cuda_aware)
+        return backend.on_device(array) and not self.cuda_aware
 
     @property
     def mode(self) -> str:
-        """'all' (forced), 'device' (device arrays are staged) or 'none' (CUDA-aware MPI)."""
-        return "all" if self.force else "none" if self.cuda_aware else "device"
+        """'device' (device arrays are staged) or 'none' (CUDA-aware MPI: nothing is)."""
+        return "none" if self.cuda_aware else "device"
 
     def report(self) -> dict:
         return {"cuda_aware_mpi": self.cuda_aware, "cuda_aware_mpi_reason": self.reason,

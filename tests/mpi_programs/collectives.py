@@ -3,10 +3,15 @@
     mpiexec -n 4 python tests/mpi_programs/collectives.py                    # the full suite
     mpiexec -n 3 python tests/mpi_programs/collectives.py --cases cases.json # drawn cases only
     python tests/mpi_programs/collectives.py                                 # one process, no MPI
+    mpiexec -n 2 python tests/mpi_programs/collectives.py --device           # on CuPy arrays
 
 Rank 0 prints one JSON line, last: {"world_size", "checks", "failures", "mpi4py_imported",
 "thread_budget", ...}. A check never raises: it records a failure message (prefixed with the rank)
 and the program carries on, so one launch reports everything that is wrong.
+
+With --device every buffer handed to the communicator is a CuPy array (tests/test_cupy_standin.py
+runs it on the CPU stand-in for CuPy): staged through host memory, or handed to MPI directly when
+it is CUDA-aware (parallel/staging.py); the values and the byte counts must not change.
 
 Expected values are computed on every rank from every rank's data (all drawn from one seed):
   * values: NumPy's sum over ranks (tolerance for random floats, exact for integer-valued data);
@@ -26,12 +31,24 @@ import sys
 
 import numpy as np
 
+from refimpl import backend
 from refimpl.parallel import comm as commlib
 from refimpl.parallel import threads
 from refimpl.parallel.mesh import Mesh
 
 TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-5, 1e-6), "float16": (1e-2, 1e-2)}
 REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+DEVICE = False  # --device: buffers on the CuPy backend
+
+
+def dev(array: np.ndarray):
+    """A buffer for the communicator: `array` itself, or a device copy of it under --device."""
+    return backend.asarray(array) if DEVICE else array
+
+
+def host(array) -> np.ndarray:
+    """A received buffer as a NumPy array, to compare with what is expected."""
+    return backend.to_host(array)
 
 
 class Checker:
@@ -122,28 +139,33 @@ def run_case(chk: Checker, world, case: dict) -> None:
 
     before = comm.counters.snapshot()
     if kind == "allreduce":
-        got = x[r].copy()
-        out = comm.allreduce(got, op) if style == "blocking" else finish(comm.iallreduce(got, op))
-        chk(out is got, f"{label}: allreduce did not return its buffer")
+        buf = dev(x[r].copy())
+        out = comm.allreduce(buf, op) if style == "blocking" else finish(comm.iallreduce(buf, op))
+        chk(out is buf, f"{label}: allreduce did not return its buffer")
+        got = host(buf)
         want = REDUCE[op].reduce(x, axis=0)
         if case["mode"] == "ring" and not exact:
             chk(np.array_equal(got, ring_order(x, op)), f"{label}: ring allreduce differs from its documented order")
     elif kind == "reduce_scatter":
-        send = x[r].copy()
+        send = dev(x[r].copy())
         got = comm.reduce_scatter(send, op=op) if style == "blocking" else finish(comm.ireduce_scatter(send, op=op))
+        chk(type(got) is type(send), f"{label}: reduce_scatter returned a {type(got).__name__}")
+        got = host(got)
         want = REDUCE[op].reduce(x, axis=0)[cuts[r]]
-        chk(np.array_equal(send, x[r]), f"{label}: reduce_scatter modified sendbuf")
+        chk(np.array_equal(host(send), x[r]), f"{label}: reduce_scatter modified sendbuf")
         if case["mode"] == "ring" and not exact:
             chk(np.array_equal(got, ring_order(x, op)[cuts[r]]), f"{label}: ring reduce_scatter order")
     elif kind == "allgather":
-        recv = np.full(length, np.nan if dtype.startswith("float") else 0, dtype=dtype)
-        mine = x[r, cuts[r]].copy()
-        got = comm.allgather(mine, recv) if style == "blocking" else finish(comm.iallgather(mine, recv))
+        recv = dev(np.full(length, np.nan if dtype.startswith("float") else 0, dtype=dtype))
+        mine = dev(x[r, cuts[r]].copy())
+        out = comm.allgather(mine, recv) if style == "blocking" else finish(comm.iallgather(mine, recv))
+        chk(out is recv, f"{label}: allgather did not return its recvbuf")
+        got = host(recv)
         want = np.concatenate([x[b, cuts[b]] for b in range(n)]) if length else x[0, :0]
         exact = True
     else:  # bcast
-        got = x[r].copy()
-        got = comm.bcast(got, root) if style == "blocking" else finish(comm.ibcast(got, root))
+        buf = dev(x[r].copy())
+        got = host(comm.bcast(buf, root) if style == "blocking" else finish(comm.ibcast(buf, root)))
         want, exact = x[root], True
     chk(got.shape == want.shape and close(got, want, dtype, exact), f"{label}: wrong values")
 
@@ -179,10 +201,10 @@ def check_totals(chk, world) -> None:
     for mode, length in itertools.product(["mpi", "ring"], [0, 1, n + 1, 1001]):
         comm = world.with_collectives(mode)
         before = comm.counters.snapshot()
-        comm.allreduce(np.ones(length))
-        comm.reduce_scatter(np.ones(length))
-        comm.allgather(None, np.ones(length))
-        comm.bcast(np.ones(length), root=n - 1)
+        comm.allreduce(dev(np.ones(length)))
+        comm.reduce_scatter(dev(np.ones(length)))
+        comm.allgather(None, dev(np.ones(length)))
+        comm.bcast(dev(np.ones(length)), root=n - 1)
         mine = comm.counters.since(before)
         everyone = world.allgather_object(mine)
         for kind, phases in [("allreduce", 2), ("reduce_scatter", 1), ("allgather", 1), ("bcast", 1)]:
@@ -194,19 +216,20 @@ def check_shapes_and_in_place(chk, world) -> None:
     n, r = world.size, world.rank
     for mode in ["mpi", "ring"]:
         comm = world.with_collectives(mode)
-        grid = np.arange(15.0).reshape(3, 5) * (r + 1)  # (3, 5): any shape, seen as flat
+        grid = dev(np.arange(15.0).reshape(3, 5) * (r + 1))  # (3, 5): any shape, seen as flat
         out = comm.allreduce(grid)
-        chk(out is grid and np.array_equal(grid, np.arange(15.0).reshape(3, 5) * n * (n + 1) / 2),
+        chk(out is grid and np.array_equal(host(grid), np.arange(15.0).reshape(3, 5) * n * (n + 1) / 2),
             f"{mode}: 2-D allreduce")
-        shard = np.full(3, float(r))  # equal blocks, recvbuf allocated: (3N,)
+        shard = dev(np.full(3, float(r)))  # equal blocks, recvbuf allocated: (3N,)
         full = comm.allgather(shard)
-        chk(np.array_equal(full, np.repeat(np.arange(n, dtype=float), 3)), f"{mode}: allgather with recvbuf=None")
-        flat = np.zeros(2 * n + 1)  # in place: our block already there
+        chk(type(full) is type(shard) and np.array_equal(host(full), np.repeat(np.arange(n, dtype=float), 3)),
+            f"{mode}: allgather with recvbuf=None")
+        flat = dev(np.zeros(2 * n + 1))  # in place: our block already there
         cut = blocks(flat.size, n)[r]
         flat[cut] = r + 1
         comm.allgather(None, flat)
         want = np.concatenate([np.full(c.stop - c.start, b + 1.0) for b, c in enumerate(blocks(flat.size, n))])
-        chk(np.array_equal(flat, want), f"{mode}: in-place allgather")
+        chk(np.array_equal(host(flat), want), f"{mode}: in-place allgather")
         chk(comm.allreduce_value(r + 1.0) == n * (n + 1) / 2, f"{mode}: allreduce_value")
         chk(comm.allreduce_value(float(r), op="max") == n - 1, f"{mode}: allreduce_value max")
 
@@ -216,51 +239,52 @@ def check_many_in_flight(chk, world) -> None:
     n, r = world.size, world.rank
     for mode in ["mpi", "ring"]:
         comm = world.with_collectives(mode)
-        buffers = [np.full(1000 + 7 * k, float(r + k)) for k in range(3)]
+        buffers = [dev(np.full(1000 + 7 * k, float(r + k))) for k in range(3)]
         requests = [comm.iallreduce(b) for b in buffers]
-        shard = comm.ireduce_scatter(np.arange(50.0) * (r + 1))
-        gathered = comm.iallgather(np.full(2, float(r)))
-        cast = comm.ibcast(np.full(9, float(r)), root=n - 1)
+        shard = comm.ireduce_scatter(dev(np.arange(50.0) * (r + 1)))
+        gathered = comm.iallgather(dev(np.full(2, float(r))))
+        cast = comm.ibcast(dev(np.full(9, float(r))), root=n - 1)
         everything = requests + [shard, gathered, cast]
         order = everything if r % 2 == 0 else everything[::-1]
         while not commlib.test_all(order):
             pass
         for k, b in enumerate(buffers):
-            chk(np.array_equal(b, np.full(b.size, n * k + n * (n - 1) / 2)), f"{mode}: in-flight allreduce {k}")
+            chk(np.array_equal(host(b), np.full(b.size, n * k + n * (n - 1) / 2)), f"{mode}: in-flight allreduce {k}")
         total = np.arange(50.0) * n * (n + 1) / 2
-        chk(np.array_equal(shard.result, total[blocks(50, n)[r]]), f"{mode}: in-flight reduce_scatter")
-        chk(np.array_equal(gathered.result, np.repeat(np.arange(n, dtype=float), 2)), f"{mode}: in-flight allgather")
-        chk(np.array_equal(cast.result, np.full(9, n - 1.0)), f"{mode}: in-flight bcast")
+        chk(np.array_equal(host(shard.result), total[blocks(50, n)[r]]), f"{mode}: in-flight reduce_scatter")
+        chk(np.array_equal(host(gathered.result), np.repeat(np.arange(n, dtype=float), 2)),
+            f"{mode}: in-flight allgather")
+        chk(np.array_equal(host(cast.result), np.full(9, n - 1.0)), f"{mode}: in-flight bcast")
 
 
 def check_point_to_point(chk, world) -> None:
     n, r = world.size, world.rank
     right, left = (r + 1) % n, (r - 1) % n
     before = world.counters.snapshot()
-    got = world.sendrecv(np.full(4, float(r)), right, np.zeros(4), left, sendtag=3)
-    chk(np.array_equal(got, np.full(4, float(left))), "sendrecv shift")
-    inbox = np.zeros(6)
+    got = world.sendrecv(dev(np.full(4, float(r))), right, dev(np.zeros(4)), left, sendtag=3)
+    chk(np.array_equal(host(got), np.full(4, float(left))), "sendrecv shift")
+    inbox = dev(np.zeros(6))
     receive = world.irecv(inbox, left, tag=9)
-    send = world.isend(np.arange(6.0) + r, right, tag=9)
+    send = world.isend(dev(np.arange(6.0) + r), right, tag=9)
     commlib.wait_all([send, receive])
-    chk(np.array_equal(inbox, np.arange(6.0) + left), "isend/irecv shift")
+    chk(np.array_equal(host(inbox), np.arange(6.0) + left), "isend/irecv shift")
     if n > 1:  # blocking send/recv in pairs: even ranks send first
         partner = r ^ 1
         if partner < n:
-            box = np.zeros(3, dtype=np.float32)
+            box = dev(np.zeros(3, dtype=np.float32))
             if r % 2 == 0:
-                world.send(np.full(3, r, dtype=np.float32), partner, tag=1)
+                world.send(dev(np.full(3, r, dtype=np.float32)), partner, tag=1)
                 world.recv(box, partner, tag=1)
             else:
                 world.recv(box, partner, tag=1)
-                world.send(np.full(3, r, dtype=np.float32), partner, tag=1)
-            chk(np.array_equal(box, np.full(3, partner, dtype=np.float32)), "send/recv pair")
+                world.send(dev(np.full(3, r, dtype=np.float32)), partner, tag=1)
+            chk(np.array_equal(host(box), np.full(3, partner, dtype=np.float32)), "send/recv pair")
     else:  # one process: a message to oneself (a blocking send to oneself may wait forever, as MPI_Send)
-        box = np.zeros(3, dtype=np.float32)
-        request = world.isend(np.ones(3, dtype=np.float32), 0, tag=1)
+        box = dev(np.zeros(3, dtype=np.float32))
+        request = world.isend(dev(np.ones(3, dtype=np.float32)), 0, tag=1)
         world.recv(box, 0, tag=1)
         request.wait()
-        chk(np.array_equal(box, np.ones(3)), "isend/recv to self")
+        chk(np.array_equal(host(box), np.ones(3)), "isend/recv to self")
     paired = n == 1 or (r ^ 1) < n
     delta = world.counters.since(before)
     want = {"sendrecv": {"calls": 1, "bytes": 32}, "send": {"calls": 1 + paired, "bytes": 48 + 12 * paired},
@@ -274,9 +298,9 @@ def check_split_and_mesh(chk, world) -> None:
     half = world.split(color=r % 2)
     members = [k for k in range(n) if k % 2 == r % 2]
     chk(half.size == len(members) and half.rank == members.index(r), "split: size and rank")
-    buf = np.full(10, float(r))
+    buf = dev(np.full(10, float(r)))
     half.allreduce(buf)
-    chk(np.array_equal(buf, np.full(10, float(sum(members)))), "split: allreduce within the half")
+    chk(np.array_equal(host(buf), np.full(10, float(sum(members)))), "split: allreduce within the half")
     sub_bytes = half.counters.bytes("allreduce")
     chk(sub_bytes == formula_bytes("allreduce", 10, half.size, half.rank, 8), "split: its own counters")
     chk(world.counters.since(before_world).get("allreduce", {}).get("bytes") == sub_bytes,
@@ -304,7 +328,7 @@ def check_split_and_mesh(chk, world) -> None:
 def check_bad_input(chk, world) -> None:
     n, r = world.size, world.rank
     chk.raises(lambda: world.allreduce(np.ones((4, 4))[:, 0]), ValueError, "C-contiguous", "strided buffer")
-    chk.raises(lambda: world.allreduce([1.0, 2.0]), ValueError, "must be a numpy array", "a list")
+    chk.raises(lambda: world.allreduce([1.0, 2.0]), ValueError, f"must be a {backend.xp().__name__} array", "a list")
     chk.raises(lambda: world.allreduce(np.ones(3), op="mean"), ValueError, "unknown reduction", "bad op")
     chk.raises(lambda: world.allreduce(np.array(["a"])), ValueError, "float or integer", "string dtype")
     frozen = np.ones(3)
@@ -342,7 +366,12 @@ def check_objects(chk, world) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", help="a JSON file holding a list of cases (run only those)")
+    parser.add_argument("--device", action="store_true", help="every buffer a CuPy array (--backend cupy)")
     args = parser.parse_args()
+    if args.device:
+        global DEVICE
+        DEVICE = True
+        backend.set_backend("cupy")
     world = commlib.get_world()
     chk = Checker(world.rank)
     if args.cases:
@@ -367,7 +396,8 @@ def main() -> None:
     if world.rank == 0:
         print(json.dumps({"world_size": world.size, "cases": len(cases), "checks": checks, "failures": failures[:50],
                           "failure_count": len(failures), "mpi4py_imported": "mpi4py" in sys.modules,
-                          "comm": type(world).__name__, "thread_budget": budget and budget.as_dict()}))
+                          "comm": type(world).__name__, "thread_budget": budget and budget.as_dict(),
+                          **world.transfer_report()}))
 
 
 if __name__ == "__main__":
