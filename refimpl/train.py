@@ -262,6 +262,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         from refimpl.parallel.zero import checkpoint as sharded  # noqa: PLC0415
 
         start_step = sharded.resume(trainer, model, cfg, world) if cfg.resume else 0
+        if cfg.save_dir:  # before the first step, not at the first save
+            sharded.check_writable(cfg.save_dir, world)
     progress = progress and trainer.rank == 0
     bar = Progress(cfg.steps, label=f"train {cfg.model}", enabled=progress)
     saved_tensors.reset_peak()
@@ -324,7 +326,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layer", type=int, help="transformer blocks, or MLP hidden layers (default 2)")
     p.add_argument("--d-model", type=int, help="model width (default 64)")
     p.add_argument("--n-head", type=int, help="attention heads (default 4)")
-    p.add_argument("--seq-len", type=int, help="context length (sorting: 2 x sequence length; default 16)")
+    p.add_argument("--seq-len", type=int, help="context length (sorting: 2 x sequence length, default 16; --data: default 64)")
     p.add_argument("--data", metavar="FILE", help="train a character-level GPT on this text file")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     p.add_argument("--weight-decay", type=float, default=None)
@@ -385,7 +387,9 @@ def run(args) -> int:
     speed = f"{summary['tokens_per_s']:.0f} tokens/s" if cfg.model == "gpt" else f"{summary['samples_per_s']:.0f} samples/s"
     log(f"done: {cfg.steps} steps in {summary['seconds']:.1f}s ({speed}); final loss {summary['final_loss']:.4f}, "
         f"held-out accuracy {100 * summary['accuracy']:.1f}%, {summary['n_params']} parameters, "
-        f"peak saved activations {summary['peak_activation_bytes'] / 1e6:.2f} MB")
+        f"peak saved activations {summary['peak_activation_bytes'] / 1e6:.2f} MB"
+        + (f", block forwards per layer {summary['forward_calls_per_layer']:g}"
+           if summary.get("forward_calls_per_layer") is not None else ""))
     if args.json:
         emit_json(summary)
     return 0

@@ -238,7 +238,7 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
 
 
 COMPARE_LEGEND = (
-    "makespan and idle in the units of --costs (per 1/pp of the model); bubble = idle / (pp * makespan); "
+    "makespan and idle in the units of --costs (per 1/pp of the model); bubble = idle per rank / makespan (total idle / (pp * makespan)); "
     "closed form: published idle per rank ('~' = not exact for these costs, see docs); "
     "peak act. = most (stage, micro-batch) activations held by one rank (freed at W); "
     "act. memory and params in units of one 1F1B rank's (1/pp of the model); "
