@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 from refimpl.backend import BackendError, set_backend
@@ -27,8 +28,25 @@ class UsageError(ValueError):
     """Bad input from the user: reported as one line, exit status 2."""
 
 
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")  # set by mpiexec
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, except that under mpiexec only rank 0 prints usage, help and argument errors.
+
+    Every rank parses the same command line, so every rank fails (exit status 2) or prints help
+    alike; one copy of the message is enough. No MPI is involved: the rank is read from the
+    launcher's environment, before any communicator exists.
+    """
+
+    def _print_message(self, message, file=None):
+        rank = next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), "0")
+        if rank == "0":
+            super()._print_message(message, file)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m refimpl", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m refimpl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         try:

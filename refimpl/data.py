@@ -74,6 +74,8 @@ class TextTask:
     kind = "gpt"
 
     def __init__(self, path: str, seq_len: int = 64, seed: int = 0) -> None:
+        if os.path.isdir(path):
+            raise ValueError(f"text file {path!r} is a directory; give --data a text file")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"text file {path!r} does not exist")
         with open(path, encoding="utf-8", errors="replace") as f:

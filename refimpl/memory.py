@@ -175,10 +175,12 @@ class MemoryLedger:
         held = ", ".join(f"{c.replace('_', ' ')} {format_bytes(b)}" for c, b in now.items() if b)
         adding = f"allocating {format_bytes(nbytes)} of {category.replace('_', ' ')}" if nbytes else \
             f"{format_bytes(now[category])} of {category.replace('_', ' ')}"
+        need, cap = format_bytes(total), format_bytes(self.budget)
+        if need == cap:  # rounded alike: show the bytes
+            need, cap = f"{total:,} B", f"{self.budget:,} B"
         raise OutOfMemoryBudget(
             f"out of memory on rank {self.rank}: {adding}{' (' + what + ')' if what else ''} needs "
-            f"{format_bytes(total)} in all, over the budget of {format_bytes(self.budget)} (--mem-budget); "
-            f"held: {held or 'nothing'}")
+            f"{need} in all, over the budget of {cap} (--mem-budget); held: {held or 'nothing'}")
 
 
 def track_replicated(model, optimizer, budget: int | None = None, rank: int = 0) -> MemoryLedger:
@@ -313,6 +315,8 @@ def _parse(text, suffixes: dict, what: str, example: str, zero: bool = False) ->
     value = float(match.group(1)) * suffixes[match.group(2).upper()]
     if value < 0 or (value == 0 and not zero) or value != value:
         raise ValueError(f"{what} must be positive, got {text!r}")
+    if abs(value - round(value)) > 1e-9 * value:
+        raise ValueError(f"{what} {text!r} is not a whole number; did you forget a suffix? write it like {example}")
     return int(round(value))
 
 

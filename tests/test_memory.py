@@ -44,7 +44,8 @@ def test_budget_names_the_category_that_overflowed():
         ledger.register("optimizer_states", np.zeros(30), "optimizer state shard")
     message = str(error.value)
     assert message.startswith("out of memory on rank 3: allocating 240 B of optimizer states (optimizer state shard)")
-    assert "needs 1.0 kB in all, over the budget of 1.0 kB" in message and "held: parameters 800 B" in message
+    # 1,040 and 1,000 B both round to 1.0 kB, so the message shows the bytes
+    assert "needs 1,040 B in all, over the budget of 1,000 B" in message and "held: parameters 800 B" in message
     assert "\n" not in message and isinstance(error.value, ValueError)
     assert ledger.current()["optimizer_states"] == 0  # nothing was counted
     activations.add(np.zeros(30))  # 240 bytes of activations: checked after a forward
@@ -106,5 +107,7 @@ def test_units():
             parse_bytes(bad)
     with pytest.raises(ValueError, match="must be positive"):
         parse_count("0")
+    with pytest.raises(ValueError, match="'7.5' is not a whole number; did you forget a suffix"):
+        parse_count("7.5")  # 7.5 parameters: surely 7.5B
     assert [format_gb(b) for b in (120e9, 41.25e9, 1.875e9, 0.46875e9, 0.1171875e9)] == \
         ["120.0", "41.3", "1.9", "0.47", "0.12"]

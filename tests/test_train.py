@@ -76,6 +76,7 @@ def test_cli_json_is_one_line_last_on_stdout(tmp_path):
     (["--steps", "0"], "--steps must be positive"),
     (["--dtype", "int8"], "unsupported dtype 'int8'"),
     (["--data", "/nonexistent/file.txt"], "does not exist"),
+    (["--data", "/"], "is a directory; give --data a text file"),
     (["--d-model", "30", "--n-head", "4"], "divisible by n_head"),
     (["--batch-size", "10", "--grad-accum", "3"], "not divisible by --grad-accum"),
     (["--lr", "-1"], "--lr must be positive"),
@@ -85,6 +86,16 @@ def test_bad_input_is_a_one_line_error(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.mpi
+def test_a_usage_error_under_mpiexec_is_printed_once():
+    """Every rank parses the same bad flag and exits 2; only rank 0 prints the usage and the error."""
+    from mpi_util import run_mpi  # noqa: PLC0415
+
+    done = run_mpi(3, ["-m", "refimpl", "train", "--pp", "2", "--schedule", "1fb1"], timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("usage:") == 1 and done.stderr.count("invalid choice: '1fb1'") == 1, done.stderr
 
 
 def test_unknown_backend_is_a_clear_error():

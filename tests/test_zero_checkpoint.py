@@ -114,6 +114,15 @@ def test_corrupt_or_missing_shard_is_a_clear_error_and_overwrites_nothing(saved,
     assert not (tmp_path / "never").exists()
 
 
+def test_a_save_dir_that_cannot_be_written_stops_the_run_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    done = run_mpi_error(2, TRAIN + ["--zero", "1", "--save-dir", blocker / "run"], timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"--save-dir '{blocker / 'run'}' cannot be written on rank" in done.stderr
+    assert "step 1/" not in done.stderr and "done:" not in done.stderr  # not one step was trained
+
+
 def test_checkpoint_from_another_model_is_a_clear_error(saved, tmp_path):
     other = [a if a != "8" else "16" for a in TRAIN]  # --d-model 16 (and --seq-len 16: a different task too)
     done = run_mpi_error(2, other + ["--zero", "1", "--resume", saved / "run" / "step_00000003"], timeout=120)

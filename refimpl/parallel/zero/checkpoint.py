@@ -244,6 +244,24 @@ def check_model(checkpoint: Checkpoint, model, cfg) -> None:
                          f"this run uses --optimizer {cfg.optimizer}")
 
 
+def check_writable(root: str, world=None) -> None:
+    """Before training: every rank can create --save-dir and write into it (collective), so that a
+    bad directory stops the run at step 0 with one clear error, not after its first save."""
+    comm = _comm(world)
+    problem = None
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".write_test_{comm.rank:05d}.tmp")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        problem = f"--save-dir {root!r} cannot be written on rank {comm.rank}: {exc.strerror or exc}; choose a writable directory"
+    problems = [p for p in comm.allgather_object(problem) if p]  # every rank stops, or none does
+    if problems:
+        raise ValueError(problems[0])
+
+
 def resume(trainer, model, cfg, world=None) -> int:
     """Load --resume into the trainer (collective); returns the step to continue from."""
     comm = _comm(world)

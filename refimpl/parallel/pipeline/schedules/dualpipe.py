@@ -61,7 +61,8 @@ from .common import check_counts, fixed_chunks
 def check_dualpipe(pp: int, micro_batches: int) -> None:
     check_counts("dualpipe", pp, micro_batches)
     if pp % 2:
-        raise ValueError(f"dualpipe needs an even --pp (ranks pair up as r and pp-1-r); got {pp}, try {pp + 1}")
+        raise ValueError(f"dualpipe needs an even --pp (ranks pair up as r and pp-1-r); got {pp}, try "
+                         + (f"{pp - 1} or {pp + 1}" if pp > 1 else "2"))
     if micro_batches % 2 or micro_batches < 2 * pp:
         least = 2 * pp
         suggestion = max(least, micro_batches + micro_batches % 2)
