@@ -326,7 +326,7 @@ def check_split_and_mesh(chk, world) -> None:
 
 
 def check_bad_input(chk, world) -> None:
-    n, r = world.size, world.rank
+    n = world.size
     chk.raises(lambda: world.allreduce(np.ones((4, 4))[:, 0]), ValueError, "C-contiguous", "strided buffer")
     chk.raises(lambda: world.allreduce([1.0, 2.0]), ValueError, f"must be a {backend.xp().__name__} array", "a list")
     chk.raises(lambda: world.allreduce(np.ones(3), op="mean"), ValueError, "unknown reduction", "bad op")

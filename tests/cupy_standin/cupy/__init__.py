@@ -30,7 +30,7 @@ import os as _os
 
 import numpy as _np
 
-from . import cuda  # noqa: F401 - cupy.cuda.runtime, Device, get_current_stream
+from . import cuda  # noqa: F401 - cupy.cuda: runtime, Device, get_current_stream
 from ._names import MODULE_NAMES, NDARRAY_METHODS
 
 __version__ = "14.2.0+cpu.stand.in"
