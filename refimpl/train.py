@@ -294,12 +294,15 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         "eval_loss": eval_loss,
         "accuracy": acc,
         "steps": cfg.steps,
+        "start_step": start_step,  # > 0 when resumed from a checkpoint: steps start_step+1 .. steps ran here
         "seconds": elapsed,
         "samples_per_s": examples / elapsed,
         "tokens_per_s": tokens / elapsed if cfg.model == "gpt" else None,
         "peak_activation_bytes": peak_activation_bytes,
-        # block forwards per block per micro-batch: 1 without checkpointing, more with recomputation
-        "forward_calls_per_layer": block_calls.total / (cfg.n_layer * cfg.steps * cfg.grad_accum) if count_blocks else None,
+        # block forwards per block per micro-batch of the steps run here (a resumed run: since the
+        # checkpoint): 1 without checkpointing, more with recomputation
+        "forward_calls_per_layer": (block_calls.total / (cfg.n_layer * (cfg.steps - start_step) * cfg.grad_accum)
+                                    if count_blocks else None),
         "n_params": model.num_parameters(),
         "world_size": trainer.world_size,
         "config": asdict(cfg),
@@ -385,7 +388,9 @@ def run(args) -> int:
     if world.rank != 0:
         return 0
     speed = f"{summary['tokens_per_s']:.0f} tokens/s" if cfg.model == "gpt" else f"{summary['samples_per_s']:.0f} samples/s"
-    log(f"done: {cfg.steps} steps in {summary['seconds']:.1f}s ({speed}); final loss {summary['final_loss']:.4f}, "
+    ran = cfg.steps - summary["start_step"]
+    resumed = f" (steps {summary['start_step'] + 1}-{cfg.steps}, resumed)" if summary["start_step"] else ""
+    log(f"done: {ran} steps{resumed} in {summary['seconds']:.1f}s ({speed}); final loss {summary['final_loss']:.4f}, "
         f"held-out accuracy {100 * summary['accuracy']:.1f}%, {summary['n_params']} parameters, "
         f"peak saved activations {summary['peak_activation_bytes'] / 1e6:.2f} MB"
         + (f", block forwards per layer {summary['forward_calls_per_layer']:g}"

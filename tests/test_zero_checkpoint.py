@@ -70,7 +70,8 @@ def test_resume_at_another_world_size_and_stage(saved, n, stage):
     tag = f"n{n}z{stage}"
     summary = run_mpi_json(n, TRAIN + ["--zero", str(stage), "--resume", saved / "run" / "step_00000003",
                                        "--save-dir", saved / tag], timeout=180)
-    assert summary["world_size"] == n
+    assert summary["world_size"] == n and summary["start_step"] == 3 and summary["steps"] == 6
+    assert summary["forward_calls_per_layer"] == 1.0  # per step run here (3 of the 6), not per step in all
     out = str(saved / f"{tag}.npz")
     sharded.consolidate(str(saved / tag), out, optimizer=True)
     assert sharded.read(str(saved / tag)).manifest["world_size"] == n
