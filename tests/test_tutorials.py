@@ -124,6 +124,30 @@ def _local_mean_loss(model, x, y, global_count):
     return F.cross_entropy(model(x), y)  # a mean over this rank only
 
 
+def _buckets_at_or_over(param_bytes, bucket_bytes):
+    buckets, size = [], 0
+    for i in reversed(range(len(param_bytes))):
+        if not buckets or size + param_bytes[i] >= bucket_bytes:  # `>=`: a bucket that fits exactly is cut early
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += param_bytes[i]
+    return buckets
+
+
+def _every_k_without_x0_snapshot(n, k):
+    from refimpl.checkpointing.actions import Free, Snapshot
+    from refimpl.checkpointing.plans import segment_actions
+
+    return [a for a in segment_actions(n, k) if a not in (Snapshot(0), Free(0))]  # k = n: x0 neither kept nor freed
+
+
+def _gradient_group_descending(rank, dp, pp, schedule):
+    from refimpl.tutorial.composition import reference_gradient_group
+
+    return sorted(reference_gradient_group(rank, dp, pp, schedule), reverse=True)
+
+
 def _wrong_one_f_one_b(pp, m):
     return [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)] for _ in range(pp)]  # GPipe's order
 
@@ -137,17 +161,20 @@ WRONG = [
     ("collectives", "check_allreduce_bytes", lambda n, size, rank, item: 2 * (size - 1) * n * item // size, "sends"),
     ("data_parallel", "check_local_loss", _local_mean_loss, "not by its own"),
     ("data_parallel", "check_assign_buckets", lambda sizes, b: [list(range(len(sizes)))], "buckets"),
+    ("data_parallel", "check_assign_buckets", _buckets_at_or_over, "may hold exactly bucket_bytes"),
     ("schedules", "check_one_f_one_b", _wrong_one_f_one_b, "peak activations"),
     ("schedules", "check_bubble_fraction", lambda p, m: (p - 1) / m, "bubble fraction"),
     ("schedules", "check_zb_h1", lambda pp, m: [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)]
                                                 for _ in range(pp)], "idle time"),
     ("checkpointing", "check_revolve_extra", lambda n, c: n - 1, "advances"),
     ("checkpointing", "check_sqrt_cost", lambda n: (n - 1, 2 * int(n**0.5)), "extra forwards"),
+    ("checkpointing", "check_every_k_schedule", _every_k_without_x0_snapshot, "Snapshot(0) before its Record"),
     ("zero", "check_model_state_bytes", lambda stage, psi, n, p, g, k: (p + g + k) * psi / n, "bytes per rank"),
     ("zero", "check_sharded_update",  # only rank 0's block is updated
      lambda opt, params, grads, n, states: opt.update(params[:len(params) // n], grads[:len(params) // n], states[0]),
      "must update exactly its own block"),
     ("composition", "check_gradient_group", lambda rank, dp, pp, schedule: [rank], "sums its gradients with"),
+    ("composition", "check_gradient_group", _gradient_group_descending, "in increasing order"),
 ]
 
 

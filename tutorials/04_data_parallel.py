@@ -155,8 +155,9 @@ for mode, extra in [("naive", []), ("bucketed", ["--bucket-bytes", "4096"])]:
 # **Exercise 3.** `assign_buckets(param_bytes, bucket_bytes)`: given each parameter's size in
 # bytes, in the model's order, return the buckets as lists of parameter indices. Walk the
 # parameters in backward order (last first); start a new bucket when adding the next parameter
-# would take the current one past `bucket_bytes` (a parameter larger than that gets a bucket of
-# its own). The check compares with `_Buckets` in `refimpl/parallel/data_parallel.py`.
+# would take the current one past `bucket_bytes` (a bucket may fill it exactly; a parameter larger
+# than that gets a bucket of its own). The check compares with `_Buckets` in
+# `refimpl/parallel/data_parallel.py`, also at sizes that the model's last parameters fill exactly.
 
 # %%
 from refimpl.tutorial import Exercises

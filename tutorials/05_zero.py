@@ -127,10 +127,49 @@ assert all(row["padded_params"] == row["params"] for row in report["rows"])
 # Reading it: every rank holds the same bytes, and the ledger equals the formula to the byte (this
 # model's buffers need no padding at N = 4). Stage by stage the optimizer states (K), then the
 # gradients (G), then the parameters (P) drop to a quarter. What the formula leaves out are the
-# transient buffers: ZeRO-2 fills a gradient bucket before reduce-scattering it (here the
-# default 1 MiB bucket holds the whole gradient), and ZeRO-3 gathers one module's parameters at a
-# time (the largest module here is the first MLP layer, 4,224 float32 numbers: 16,896 bytes). The
-# same report counts the communication of the step and finds the formulas of part 1:
+# transient buffers, the last two columns. A reduce-scatter writes this rank's block of the summed
+# gradient into a buffer of its own (L·G/N bytes for a bucket of L numbers), and the whole
+# gradient, ΨG = 106,752 bytes, fits in the default 1 MiB bucket, so stages 1 and 2 have one
+# bucket:
+#
+# - ZeRO-1 keeps the whole gradient as model state (the `grads` column); its peak bucket is the
+#   reduce-scatter output alone, ΨG/N.
+# - ZeRO-2 keeps only a gradient shard. The bucket, the whole gradient, exists during backward,
+#   and while it is reduce-scattered so does the output: ΨG + ΨG/N.
+# - ZeRO-3 has one bucket per module. One is reduce-scattered while the next fills (double
+#   buffering), so the peak is two consecutive modules' buckets with their outputs: an MLP's two
+#   layers. It gathers one module's parameters at a time: at most the largest module, P bytes
+#   per number.
+#
+# The decomposition, computed from the model's modules and checked against the ledger's peaks:
+
+# %%
+from refimpl.parallel.zero.flat import module_units, padded_length
+
+N, P, G = report["world_size"], report["P"], report["G"]
+psi = report["rows"][0]["params"]
+gpt = GPT(GPTConfig(vocab_size=11, seq_len=16, n_layer=2, n_head=4, d_model=32))  # the model `memory` built
+assert gpt.num_parameters() == psi
+units, _ = module_units(gpt)  # [(module name, module, its parameters)], in the model's order
+units = [(name, padded_length(sum(p.size for _, p in params), N)) for name, _, params in units]
+backward = units[::-1]  # gradients arrive last module first
+(a, la), (b, lb) = max(zip(backward, backward[1:]), key=lambda pair: pair[0][1] + pair[1][1])
+largest, l_max = max(units, key=lambda unit: unit[1])
+explained = [
+    ("ZeRO-1", "gradient_buckets", psi * G // N, f"reduce-scatter output ΨG/N = {psi * G // N:,}"),
+    ("ZeRO-2", "gradient_buckets", psi * G + psi * G // N,
+     f"bucket ΨG = {psi * G:,} + its output ΨG/N = {psi * G // N:,}"),
+    ("ZeRO-3", "gradient_buckets", (la + lb) * G * (N + 1) // N,
+     f"buckets of {a} and {b}, ({la:,} + {lb:,})·G = {(la + lb) * G:,}, + their outputs {(la + lb) * G // N:,}"),
+    ("ZeRO-3", "gathered_parameters", l_max * P, f"the largest module, {largest}: {l_max:,}·P"),
+]
+peaks = {row["name"]: row["peak"] for row in report["rows"]}
+for stage, category, computed, how in explained:
+    print(f"{stage:8s} peak {category.replace('_', ' '):19s} {peaks[stage][category]:7,d} = {how}")
+    assert peaks[stage][category] == computed
+
+# %% [markdown]
+# The same report counts the communication of the step and finds the formulas of part 1:
 
 # %%
 for row in report["rows"]:

@@ -91,7 +91,10 @@ print(simulate_actions(actions_for("sqrt", 9), 9))
 
 # %% [markdown]
 # `simulate` predicts advances and peak from the actions alone; the tests check the prediction
-# against the counters and the ledger.
+# against the counters and the ledger. Its `peak_bytes` is in layer inputs: it counts each kept
+# state as `input_bytes`, which defaults to 1. So `peak_bytes=5` is 5 layer inputs: the snapshots
+# of x₀ and x₃ and the 3 inputs of the segment being recorded (for 16 layers the table's `sqrt`
+# row says 7).
 #
 # ## 3. Revolve: the fewest recomputations
 #
@@ -163,8 +166,9 @@ assert result["ok"]
 # `Advance(start, stop)`; then `Record` and `Backprop` of the last segment (if the last segment
 # starts at 0, snapshot x₀ first, and free it at the very end). Backward part, segments from last
 # to first: `Restore`, `Record`, `Backprop`, `Free`. The check validates it with `simulate`,
-# compares its cost with refimpl's, and runs it in the engine, where the gradients must equal a
-# plain backward bit for bit.
+# compares its cost with refimpl's, then its actions, one by one, with refimpl's `every:K`
+# schedule, and runs it in the engine, where the gradients must equal a plain backward bit for
+# bit.
 
 # %%
 from refimpl.checkpointing.actions import Advance, Backprop, Free, Record, Restore, Snapshot  # noqa: F401 - exercise 3

@@ -43,13 +43,14 @@ for d in range(dp):
 MODEL = ["--model", "gpt", "--n-layer", "4", "--d-model", "32", "--seq-len", "8", "--batch-size", "16"]
 configs = {"plain": [], "ZeRO-1": ["--zero", "1"],
            "ZeRO-1 + checkpoint every:1": ["--zero", "1", "--checkpoint", "every:1"]}
-print(f"{'':28s} {'pipeline rank':>13s} {'parameters':>10s} {'gradients':>10s} {'optimizer':>10s} {'activations':>11s}")
 held = {}
-for name, extra in configs.items():
+for name, extra in configs.items():  # run the three, then print the table
     report = last_json(run_mpi(4, "-m", "refimpl", "train", *MODEL, "--steps", "1", "--pp", "2", "--schedule", "1f1b",
                                "--micro-batches", "4", *extra, "--json", show=False))
-    state, peaks = report["pipeline"]["model_state_bytes"], report["pipeline"]["peak_activation_bytes"]
-    held[name] = (state, peaks)
+    held[name] = (report["pipeline"]["model_state_bytes"], report["pipeline"]["peak_activation_bytes"])
+print()
+print(f"{'':28s} {'pipeline rank':>13s} {'parameters':>10s} {'gradients':>10s} {'optimizer':>10s} {'activations':>11s}")
+for name, (state, peaks) in held.items():
     for p in range(pp):
         print(f"{name:28s} {p:13d} {state['parameters'][p]:10,d} {state['gradients'][p]:10,d} "
               f"{state['optimizer_states'][p]:10,d} {peaks[p]:11,d}")
@@ -142,11 +143,11 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp
 # gets: `n_layer // num_stages` each, and one more for the first `n_layer % num_stages` stages
 # (the last stage also carries the head and the loss).
 #
-# **Exercise 3.** `gradient_group(rank, dp, pp, schedule)`: the sorted list of world ranks that sum
-# their gradients with `rank`: every rank, in every replica, that holds the same stages. With
-# `"1f1b"` (stage p on pipeline rank p) and `"zbv"` (stages p and 2pp − 1 − p) that is the rank's
-# column; with `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so pipeline ranks p and
-# pp − 1 − p of every replica hold the same two stages.
+# **Exercise 3.** `gradient_group(rank, dp, pp, schedule)`: the list, in increasing order, of the
+# world ranks that sum their gradients with `rank`: every rank, in every replica, that holds the
+# same stages. With `"1f1b"` (stage p on pipeline rank p) and `"zbv"` (stages p and 2pp − 1 − p)
+# that is the rank's column; with `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so
+# pipeline ranks p and pp − 1 − p of every replica hold the same two stages.
 
 # %%
 from refimpl.tutorial import Exercises

@@ -59,6 +59,15 @@ def check_every_k_schedule(every_k_schedule) -> None:
         if summary.peak_bytes != reference.peak_bytes:
             raise Wrong(f"n={n}, K={k}: every:K holds at most {reference.peak_bytes} layer inputs; "
                         f"yours {summary.peak_bytes}")
+        expected = segment_actions(n, k)  # valid and as cheap is not enough: the actions the exercise describes
+        if actions != expected:
+            at = next((i for i, (a, b) in enumerate(zip(actions, expected)) if a != b),
+                      min(len(actions), len(expected)))
+            raise Wrong(f"n={n}, K={k}: the every:K schedule has {len(expected)} actions and action {at} is "
+                        f"{expected[at] if at < len(expected) else 'absent'}; yours has {len(actions)} and action "
+                        f"{at} is {actions[at] if at < len(actions) else 'absent'}"
+                        + (" (the last segment starts at 0 here: Snapshot(0) before its Record, Free(0) at the very "
+                           "end)" if k >= n else ""))
         # Run it in the autograd engine: the gradients must equal a plain backward, bit for bit.
         layers = tanh_chain(n, width=4, seed=n)
         x_data = np.random.default_rng(k).standard_normal((3, 4))

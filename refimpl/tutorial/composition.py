@@ -59,7 +59,10 @@ def check_gradient_group(gradient_group) -> None:
         for dp, pp in [(1, 2), (2, 2), (2, 4), (3, 4)]:
             for rank in range(dp * pp):
                 expected = reference_gradient_group(rank, dp, pp, schedule)
-                got = sorted(gradient_group(rank, dp, pp, schedule))
+                got = list(gradient_group(rank, dp, pp, schedule))
+                if sorted(got) == expected and got != expected:
+                    raise Wrong(f"{schedule}, dp={dp}, pp={pp}: rank {rank}'s group is the right ranks, but return "
+                                f"them sorted, in increasing order: {expected}; you said {got}")
                 if got != expected:
                     raise Wrong(f"{schedule}, dp={dp}, pp={pp}: rank {rank} sums its gradients with ranks {expected} "
                                 f"(every rank that holds the same stages); you said {got}")

@@ -69,7 +69,10 @@ def check_assign_buckets(assign_buckets) -> None:
     model = GPT(GPTConfig(vocab_size=11, seq_len=8, n_layer=2, n_head=2, d_model=16))
     params = model.parameters()
     sizes = [p.data.nbytes for p in params]
-    for bucket_bytes in (1, 1000, 4096, 10_000, 1 << 20):
+    # Sizes that some buckets fill exactly (the last two parameters; the whole model): a bucket may
+    # hold exactly bucket_bytes, and only a parameter that would take it *past* starts a new one.
+    exact = [sizes[-1] + sizes[-2], sum(sizes)]
+    for bucket_bytes in (1, 1000, 4096, 10_000, 1 << 20, *exact):
         copy = GPT(model.config)  # _Buckets rewires gradients into flat buffers: use a fresh model
         buckets = _Buckets(copy.parameters(), LocalComm(), bucket_bytes)
         position = {id(p): i for i, p in enumerate(copy.parameters())}
@@ -80,4 +83,5 @@ def check_assign_buckets(assign_buckets) -> None:
             raise Wrong(f"with bucket_bytes={bucket_bytes} and the parameter sizes of a 2-layer GPT there are "
                         f"{len(expected)} buckets and bucket {first} is "
                         f"{expected[first] if first < len(expected) else 'absent'}; you made {len(got)} buckets, "
-                        f"and bucket {first} is {got[first] if first < len(got) else 'absent'}")
+                        f"and bucket {first} is {got[first] if first < len(got) else 'absent'}"
+                        + (" (a bucket may hold exactly bucket_bytes)" if bucket_bytes in exact else ""))
