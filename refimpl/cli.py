@@ -71,8 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, BackendError) as exc:
         from refimpl.parallel.comm import existing_world  # noqa: PLC0415 - never creates a world
+        from refimpl.parallel.failure import AgreedError  # noqa: PLC0415
 
         world = existing_world()
+        if isinstance(exc, AgreedError):  # every rank raised it together: one message, nobody waits
+            if world is None or world.rank == 0:
+                print(f"error: {exc}", file=sys.stderr)
+            return 2
         if world is not None and world.size > 1:
             world.abort(2, f"error: {exc}")  # a rank that stops alone would leave the others waiting
         print(f"error: {exc}", file=sys.stderr)

@@ -316,7 +316,8 @@ def _parse(text, suffixes: dict, what: str, example: str, zero: bool = False) ->
     if value < 0 or (value == 0 and not zero) or value != value:
         raise ValueError(f"{what} must be positive, got {text!r}")
     if abs(value - round(value)) > 1e-9 * value:
-        raise ValueError(f"{what} {text!r} is not a whole number; did you forget a suffix? write it like {example}")
+        hint = "did you forget a suffix? " if not match.group(2) else ""
+        raise ValueError(f"{what} {text!r} is not a whole number; {hint}write it like {example}")
     return int(round(value))
 
 

@@ -49,3 +49,21 @@ def test_explicit_abort_with_message():
     done, _ = launch("abort", n=2, rank=1)
     assert done.returncode == 2
     assert our_lines(done.stderr) == ["[rank 1] error: --steps differs between ranks"]
+
+
+def test_agree_raises_the_first_problem_on_every_rank_and_names_the_ranks_that_had_one():
+    from refimpl.parallel.failure import AgreedError, agree  # noqa: PLC0415
+
+    class Gathered:  # what allgather_object returns on every rank
+        def __init__(self, problems):
+            self.problems, self.size = problems, len(problems)
+
+        def allgather_object(self, mine):
+            return self.problems
+
+    agree(Gathered([None, None, None]), None)  # nobody had one: every rank goes on
+    with pytest.raises(AgreedError, match=r"^shard 2 is corrupt \(on ranks 1, 2\)$"):
+        agree(Gathered([None, "shard 2 is corrupt", "shard 2 is corrupt too"]), None)
+    with pytest.raises(AgreedError, match=r"^bad directory$"):  # every rank had it: no list of ranks
+        agree(Gathered(["bad directory", "bad directory"]), "bad directory")
+    assert issubclass(AgreedError, ValueError)  # bad input: exit status 2

@@ -109,5 +109,7 @@ def test_units():
         parse_count("0")
     with pytest.raises(ValueError, match="'7.5' is not a whole number; did you forget a suffix"):
         parse_count("7.5")  # 7.5 parameters: surely 7.5B
+    with pytest.raises(ValueError, match=r"'1\.2345K' is not a whole number; write it like"):
+        parse_count("1.2345K")  # a suffix is there: no hint about one
     assert [format_gb(b) for b in (120e9, 41.25e9, 1.875e9, 0.46875e9, 0.1171875e9)] == \
         ["120.0", "41.3", "1.9", "0.47", "0.12"]

@@ -22,6 +22,8 @@ Every rank that raises reports itself; the first one aborts the job within a fra
 Limits. An exception is reported only if nothing catches it. A rank that *exits* (sys.exit, or
 returning an error code from main) while the others wait in a collective is not an exception:
 call `comm.abort(code, message)` instead (or `existing_world()` from the CLI's error branch).
+Bad input that all ranks check together (`agree`: a sharded checkpoint to resume from, a --save-dir
+to write to) raises `AgreedError` on every rank at once; nobody waits, so the CLI prints it once.
 A rank killed by a signal is cleaned up by hydra itself ("BAD TERMINATION ...").
 """
 
@@ -34,6 +36,23 @@ import traceback
 from typing import Callable
 
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
+
+
+class AgreedError(ValueError):
+    """Bad input that every rank found together (after exchanging what each rank saw), and raises
+    alike: nobody is left waiting, so the CLI prints it once, from rank 0, and every rank exits 2
+    without MPI_Abort. Raise it only from code that all ranks run collectively."""
+
+
+def agree(comm, problem: str | None) -> None:
+    """Collective: raise AgreedError on every rank if any rank has a problem (the first one, and
+    which ranks had one unless all did); return on every rank otherwise."""
+    found = comm.allgather_object(problem)
+    ranks = [r for r, p in enumerate(found) if p]
+    if not ranks:
+        return
+    where = "" if len(ranks) == len(found) else f" (on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})"
+    raise AgreedError(found[ranks[0]] + where)
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

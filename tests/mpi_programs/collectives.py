@@ -39,11 +39,16 @@ from refimpl.parallel.mesh import Mesh
 TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-5, 1e-6), "float16": (1e-2, 1e-2)}
 REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 DEVICE = False  # --device: buffers on the CuPy backend
+device_buffers = 0  # how many dev() made
 
 
 def dev(array: np.ndarray):
     """A buffer for the communicator: `array` itself, or a device copy of it under --device."""
-    return backend.asarray(array) if DEVICE else array
+    global device_buffers
+    if not DEVICE:
+        return array
+    device_buffers += 1
+    return backend.asarray(array)
 
 
 def host(array) -> np.ndarray:
@@ -397,6 +402,7 @@ def main() -> None:
         print(json.dumps({"world_size": world.size, "cases": len(cases), "checks": checks, "failures": failures[:50],
                           "failure_count": len(failures), "mpi4py_imported": "mpi4py" in sys.modules,
                           "comm": type(world).__name__, "thread_budget": budget and budget.as_dict(),
+                          "device_buffers": device_buffers,
                           **world.transfer_report()}))
 
 

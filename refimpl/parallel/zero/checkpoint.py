@@ -40,11 +40,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 
 import numpy as np
 
 from refimpl import backend
 from refimpl.console import emit_json, log
+from refimpl.parallel.failure import agree
 
 FORMAT = "refimpl-sharded-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -251,15 +253,11 @@ def check_writable(root: str, world=None) -> None:
     problem = None
     try:
         os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".write_test_{comm.rank:05d}.tmp")
-        with open(probe, "wb"):
+        with tempfile.TemporaryFile(dir=root, prefix=".write_test_"):  # a unique name: jobs may share root
             pass
-        os.remove(probe)
     except OSError as exc:
-        problem = f"--save-dir {root!r} cannot be written on rank {comm.rank}: {exc.strerror or exc}; choose a writable directory"
-    problems = [p for p in comm.allgather_object(problem) if p]  # every rank stops, or none does
-    if problems:
-        raise ValueError(problems[0])
+        problem = f"--save-dir {root!r} cannot be written: {exc.strerror or exc}; choose a writable directory"
+    agree(comm, problem)  # every rank stops, or none does
 
 
 def resume(trainer, model, cfg, world=None) -> int:
@@ -274,9 +272,7 @@ def resume(trainer, model, cfg, world=None) -> int:
                              "leaves nothing to train (--steps is the total, counted from step 0)")
     except ValueError as exc:
         problem = str(exc)
-    problems = [p for p in comm.allgather_object(problem) if p]  # every rank stops, or none does
-    if problems:
-        raise ValueError(problems[0])
+    agree(comm, problem)  # every rank stops, or none does
     _load(trainer, model, checkpoint, comm.rank)
     if comm.rank == 0:
         log(f"resumed from {checkpoint.path} (step {checkpoint.step}, saved by {checkpoint.manifest['world_size']} "

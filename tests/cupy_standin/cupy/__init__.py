@@ -6,9 +6,14 @@ was written for NumPy and is then handed CuPy arrays, so that refimpl's CuPy bac
 fails where it would fail on a GPU, on machines without one:
 
   * np.asarray(device_array) raises TypeError, as CuPy's arrays do ("use .get()");
-  * a NumPy array mixed into an operation on device arrays raises TypeError, as in CuPy
-    ("Unsupported type"); move it with cupy.asarray. (Index arrays may be NumPy: CuPy copies them.)
-  * only the names CuPy 14.2 has exist (_names.py): a NumPy function CuPy lacks is missing;
+  * a NumPy array or a list mixed into an operation on device arrays raises TypeError, as in CuPy
+    ("Unsupported type"); move it with cupy.asarray. Index arrays may be NumPy (CuPy copies them);
+    assigning a host array to a slice raises CuPy's ValueError (to an index array, it is copied);
+  * only the top-level names CuPy 14.2 has exist (_names.py): a NumPy function CuPy lacks is
+    missing. Submodules (cupy.random, linalg, fft, ...) are left out on purpose: refimpl uses none
+    of them (its dropout masks come from NumPy Generators), so any use of one is flagged;
+  * cupy.array(host, copy=False) raises as CuPy 14 does, ndarray.set() demands the same shape and
+    dtype, and ndarray.data / .flat (device pointers and iterators in CuPy) are refused;
   * reductions and integer indexing give 0-d device arrays, not NumPy scalars (float() them);
   * cupy.asarray(host_array) copies, so a device array never shares memory with the host's;
   * a device array has __cuda_array_interface__ and no buffer protocol, so mpi4py treats it as
@@ -40,16 +45,26 @@ _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
              "Please use `.get()` to construct a NumPy array explicitly.")
 
 
-def _device(value, where: str):
-    """value with every device array replaced by its NumPy array; TypeError for a host array."""
+def _unwrap(value, where: str):
+    """The NumPy array behind each device array in value (lists and tuples walked through), for
+    NumPy to compute on; a host NumPy array there is an error, as it is in CuPy."""
     if isinstance(value, ndarray):
         return value._array
     if isinstance(value, _np.ndarray):
         raise TypeError(f"Unsupported type {type(value)} in {where}: a NumPy (host) array mixed with "
                         "device arrays; move it to the device with cupy.asarray")
     if isinstance(value, (list, tuple)):
-        return type(value)(_device(v, where) for v in value)
+        return type(value)(_unwrap(v, where) for v in value)
     return value
+
+
+def _operands(values, where: str) -> list:
+    """The operands of an elementwise operation: device arrays or scalars, never lists or host arrays."""
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            raise TypeError(f"Unsupported type {type(v)} in {where}: a list is not an array in CuPy; "
+                            "use cupy.asarray")
+    return _unwrap(list(values), where)
 
 
 def _index(key):
@@ -59,6 +74,12 @@ def _index(key):
     if isinstance(key, tuple):
         return tuple(_index(k) for k in key)
     return key
+
+
+def _advanced(key) -> bool:
+    """Whether an index holds an array or a list (advanced indexing), not only ints and slices."""
+    parts = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (ndarray, _np.ndarray, list)) for k in parts)
 
 
 def _devices_in(values) -> list:
@@ -89,7 +110,7 @@ def _wrap(result, inputs: list):
 
 def _call(function, args, kwargs, where: str, owner: ndarray | None = None):
     inputs = ([owner] if owner is not None else []) + _devices_in(list(args) + list(kwargs.values()))
-    raw = function(*_device(args, where), **{k: _device(v, where) for k, v in kwargs.items()})
+    raw = function(*_unwrap(args, where), **{k: _unwrap(v, where) for k, v in kwargs.items()})
     out = kwargs.get("out")
     if out is not None:
         return out[0] if isinstance(out, tuple) and len(out) == 1 else out
@@ -119,10 +140,19 @@ class ndarray:  # noqa: N801 - CuPy's name
     nbytes = property(lambda self: self._array.nbytes)
     itemsize = property(lambda self: self._array.itemsize)
     strides = property(lambda self: self._array.strides)
-    flags = property(lambda self: self._array.flags)
+    flags = property(lambda self: _Flags(self._array.flags))
     base = property(lambda self: self._base)
     T = property(lambda self: ndarray._of(self._array.T, self))
     mT = property(lambda self: ndarray._of(self._array.mT, self))
+
+    @property
+    def data(self):
+        raise NotImplementedError("ndarray.data is a device pointer (cupy.cuda.MemoryPointer); "
+                                  "the stand-in has none")
+
+    @property
+    def flat(self):
+        raise NotImplementedError("ndarray.flat iterates over device memory; the stand-in does not")
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -153,19 +183,24 @@ class ndarray:  # noqa: N801 - CuPy's name
         return _np.array(self._array, order=order, copy=True)
 
     def set(self, array, stream=None) -> None:
-        """Copy a NumPy array of the same shape in (the host-to-device copy)."""
+        """Copy a NumPy array of the same shape and dtype in (the host-to-device copy)."""
         if not isinstance(array, _np.ndarray):
             raise TypeError(f"ndarray.set takes a numpy.ndarray, not {type(array)}")
+        if array.shape != self.shape:
+            raise ValueError(f"shape mismatch: {array.shape} into {self.shape}")
+        if array.dtype != self.dtype:
+            raise TypeError(f"dtype mismatch: {array.dtype} into {self.dtype}")
         self._array[...] = array
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if ufunc.__name__ not in MODULE_NAMES:
             return NotImplemented
+        _operands(inputs, f"numpy.{ufunc.__name__}")
         return _call(getattr(ufunc, method), inputs, kwargs, f"numpy.{ufunc.__name__}")
 
     def __array_function__(self, function, types, args, kwargs):
-        if function.__name__ not in MODULE_NAMES:
-            return NotImplemented
+        if function.__module__ != "numpy" or function.__name__ not in MODULE_NAMES:
+            return NotImplemented  # numpy.linalg.* and the like: the stand-in has no submodules
         return _call(function, args, kwargs, f"numpy.{function.__name__}")
 
     # -- Python protocols ------------------------------------------------------------------------
@@ -173,7 +208,12 @@ class ndarray:  # noqa: N801 - CuPy's name
         return _wrap(self._array[_index(key)], [self])
 
     def __setitem__(self, key, value):
-        self._array[_index(key)] = _device(value, "ndarray.__setitem__")
+        if isinstance(value, _np.ndarray):  # a host array
+            if value.ndim and not _advanced(key):  # CuPy's message for one assigned to a slice
+                raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+            self._array[_index(key)] = value  # a 0-d one is a scalar; to an index array CuPy copies it
+            return
+        self._array[_index(key)] = _unwrap(value, "ndarray.__setitem__")
 
     def __len__(self):
         return len(self._array)
@@ -216,7 +256,7 @@ class ndarray:  # noqa: N801 - CuPy's name
 
 def _operator(name: str, in_place: bool = False):
     def method(self, *other):
-        raw = getattr(self._array, name)(*_device(other, f"ndarray.{name}"))
+        raw = getattr(self._array, name)(*_operands(other, f"ndarray.{name}"))
         if raw is NotImplemented:
             return NotImplemented
         return self if in_place else _wrap(raw, [self, *_devices_in(other)])
@@ -238,6 +278,13 @@ def _from_host(array: _np.ndarray) -> ndarray:
     return ndarray._of(_np.array(array, copy=True))
 
 
+class _Flags:
+    """CuPy's flags: c_contiguous, f_contiguous and owndata only (no writeable)."""
+
+    def __init__(self, flags) -> None:
+        self.c_contiguous, self.f_contiguous, self.owndata = flags.c_contiguous, flags.f_contiguous, flags.owndata
+
+
 class ufunc:  # noqa: N801 - CuPy's name
     """A NumPy ufunc that takes device arrays only (and indices from either side, for .at)."""
 
@@ -246,13 +293,14 @@ class ufunc:  # noqa: N801 - CuPy's name
         self.__name__ = numpy_ufunc.__name__
 
     def __call__(self, *args, **kwargs):
+        _operands(args, f"cupy.{self.__name__}")
         return _call(self._ufunc, args, kwargs, f"cupy.{self.__name__}")
 
     def at(self, a, indices, b=None):
         if not isinstance(a, ndarray):
             raise TypeError(f"cupy.{self.__name__}.at needs a cupy.ndarray to add into, not {type(a)}")
         where = f"cupy.{self.__name__}.at"
-        self._ufunc.at(a._array, _index(indices), *(() if b is None else (_device(b, where),)))
+        self._ufunc.at(a._array, _index(indices), *(() if b is None else (_unwrap(b, where),)))
 
     def reduce(self, *args, **kwargs):
         return _call(self._ufunc.reduce, args, kwargs, f"cupy.{self.__name__}.reduce")
@@ -262,6 +310,9 @@ class ufunc:  # noqa: N801 - CuPy's name
 
     def outer(self, *args, **kwargs):
         return _call(self._ufunc.outer, args, kwargs, f"cupy.{self.__name__}.outer")
+
+    def reduceat(self, *args, **kwargs):
+        return _call(self._ufunc.reduceat, args, kwargs, f"cupy.{self.__name__}.reduceat")
 
     def __getattr__(self, name):  # nin, nout, identity, ...
         return getattr(self._ufunc, name)
@@ -278,16 +329,21 @@ def _loose(value):
 
 
 def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocking=False) -> ndarray:
-    """A device array holding obj (a host array is copied to the device)."""
-    if isinstance(obj, ndarray) and not copy and (dtype is None or _np.dtype(dtype) == obj.dtype) and ndmin <= obj.ndim:
+    """A device array holding obj (a host array is copied to the device). copy=None copies only
+    when needed; copy=False raises when a copy is needed, as in CuPy 14 (and NumPy 2)."""
+    reusable = (isinstance(obj, ndarray) and (dtype is None or _np.dtype(dtype) == obj.dtype)
+                and ndmin <= obj.ndim)
+    if reusable and not copy:
         return obj
+    if copy is False:
+        raise ValueError("Unable to avoid copy while creating an array as requested.")
     result = _np.array(_loose(obj), dtype=dtype, copy=True, order=order, ndmin=ndmin)
     return ndarray._of(result)
 
 
-def asarray(a, dtype=None, order=None, *, blocking=False) -> ndarray:
+def asarray(a, dtype=None, order=None, *, copy=None, blocking=False) -> ndarray:
     """a itself when it is a device array of that dtype, else a device copy."""
-    return array(a, dtype=dtype, copy=False, order=order or "K")
+    return array(a, dtype=dtype, copy=copy, order=order or "K")
 
 
 def asnumpy(a, stream=None, order="C", out=None, *, blocking=True) -> _np.ndarray:
