@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from refimpl.autograd import Parameter, Tensor, saved_tensors
+from refimpl.autograd import Parameter, Tensor, engine, saved_tensors
 from refimpl.nn import GPT, GPTConfig, Linear, Module
 from refimpl.nn import functional as F
 from refimpl.optim import AdamW
@@ -214,3 +214,40 @@ def test_functional_grad_runs_no_leaf_hook():
     assert calls == []
     (w * 2.0).sum().backward()
     assert calls == [1]
+
+
+# -- nodes that no gradient reaches, and leaves among the roots ---------------------------------------
+
+
+def _shared_weight_graph(ignore):
+    """out = f(w·x, c) + w·x, where f ignores its first argument: the first w·x node is reached by
+    the backward but receives no gradient, while w also gets one through the second w·x."""
+    w = Parameter(np.array([1.0, -2.0]))
+    x, c = Tensor(np.array([3.0, 5.0])), Tensor(np.array([2.0, 4.0]), requires_grad=True)
+    return w, c, ignore(w * x, c) + w * x
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
+def test_a_leaf_shared_with_a_node_that_gets_no_gradient_still_gets_its_gradient(split):
+    from refimpl.checkpointing import checkpoint  # noqa: PLC0415
+
+    w, c, out = _shared_weight_graph(lambda h, c: checkpoint(lambda a, b: b * 1.0, h, c))
+    work = engine.backward([out.sum()], defer_weight_grads=split)
+    if split:
+        work.run()
+    np.testing.assert_array_equal(w.grad, [3.0, 5.0])  # x, from the second product only
+    np.testing.assert_array_equal(c.grad, [1.0, 1.0])
+
+
+def test_backward_from_a_leaf_and_a_computed_tensor_at_once():
+    a = Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    b = Parameter(np.array([3.0]))
+    d = b * 2.0
+    engine.backward([a, d], [np.array([0.5, 0.25]), np.array([1.0])])
+    np.testing.assert_array_equal(a.grad, [0.5, 0.25])  # a leaf root: its gradient is the one given
+    np.testing.assert_array_equal(b.grad, [2.0])
+    work = engine.backward([a, b * 2.0], [np.array([1.0, 1.0]), np.array([1.0])], defer_weight_grads=True)
+    assert isinstance(work, engine.WeightGradWork) and len(work) == 1
+    work.run()
+    np.testing.assert_array_equal(a.grad, [1.5, 1.25])
+    np.testing.assert_array_equal(b.grad, [4.0])

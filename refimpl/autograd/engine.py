@@ -141,6 +141,7 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
         raise ValueError(f"backward got {len(tensors)} tensors but {len(grad_tensors)} gradients")
     node_grads: dict[int, list] = {}
     roots = []
+    leaf_roots = []  # backward from a leaf: its gradient is simply g
     capture = {} if targets is not None else None
     target_ids = None if targets is None else {id(t) for t in targets}
     for t, g in zip(tensors, grad_tensors):
@@ -153,22 +154,25 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
         g = g.data if isinstance(g, Tensor) else xp.asarray(g, dtype=t.dtype)
         if g.shape != t.shape:
             raise ValueError(f"gradient of shape {g.shape} given for a tensor of shape {t.shape}")
-        if t.grad_fn is None:  # backward from a leaf: its gradient is g
-            leaves = _LeafAccumulator({id(t): 1}, capture)
-            leaves.add(t, g)
-            return [capture.get(id(x)) for x in targets] if capture is not None else None
+        if t.grad_fn is None:
+            leaf_roots.append((t, g))
+            continue
         slots = node_grads.setdefault(id(t.grad_fn), [None] * len(t.grad_fn.output_meta))
         slots[t.output_index] = g if slots[t.output_index] is None else slots[t.output_index] + g
         roots.append(t.grad_fn)
 
     order = _topological_order(roots)
     needs_of = _edges_needed(order, target_ids)
-    counts: dict[int, int] = {}
+    counts: dict[int, int] = {}  # id(leaf) -> how many gradient contributions it will receive
+    for t, _ in leaf_roots:
+        counts[id(t)] = counts.get(id(t), 0) + 1
     for node in order:
         for t, needed in zip(node.inputs, needs_of[id(node)]):
             if needed and t.grad_fn is None:
                 counts[id(t)] = counts.get(id(t), 0) + 1
     leaves = _LeafAccumulator(counts, capture)
+    for t, g in leaf_roots:
+        leaves.add(t, g)
     deferred = []
     nonleaf_results = {}
 
@@ -176,11 +180,14 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
         for node in order:
             needs = needs_of[id(node)]
             grads = node_grads.pop(id(node), None)
-            if grads is None or node.saved is None and any(needs):
-                if grads is None:  # no gradient reaches this node
-                    if not retain_graph:
-                        node.release()
-                    continue
+            if grads is None:  # reached, but no gradient flows into it (e.g. an input a checkpoint ignores)
+                for t, needed in zip(node.inputs, needs):
+                    if needed and t.grad_fn is None:
+                        leaves.add(t, None)  # a contribution of nothing: the leaf's count must still reach 0
+                if not retain_graph:
+                    node.release()
+                continue
+            if any(needs) and node.released:
                 raise RuntimeError(f"{node.name}: saved tensors were already freed; "
                                    "pass retain_graph=True to backward twice through a graph")
             grads = [xp.zeros(shape, dtype) if g is None else g for g, (shape, dtype) in zip(grads, node.output_meta)]

@@ -85,6 +85,11 @@ class Function:
             return None
         return tuple(x.data() if isinstance(x, _ParameterRef) else x for x in self._saved)
 
+    @property
+    def released(self) -> bool:
+        """Whether the saved arrays were dropped (a second backward through this node needs them)."""
+        return self._saved is None
+
     # --- called by the engine ---------------------------------------------------------------
     def release(self) -> None:
         """Drop the saved arrays (after backward has used them for the last time)."""
