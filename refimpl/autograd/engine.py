@@ -11,8 +11,8 @@ Backward in two halves (zero-bubble pipelines, Qi et al., arXiv 2401.10241, sect
     B = I + W
     I (input-gradient pass): gradients with respect to activations, propagated through every
       node; gradients that flow into Parameters are NOT computed. Each node that has Parameter
-      inputs queues a closure (node, its output gradients) instead.
-    W (weight-gradient pass): runs the queued closures in the order I queued them, computing the
+      inputs queues its weight work instead: (node, its output gradients, which inputs need one).
+    W (weight-gradient pass): runs the queued work in the order I queued it, computing the
       Parameter gradients and accumulating them exactly as B would.
 
 Because every Function computes each input's gradient by the same arithmetic whichever others are
@@ -33,25 +33,25 @@ from .tensor import Parameter, Tensor
 class WeightGradWork:
     """The deferred weight-gradient half of a split backward. Call run() exactly once."""
 
-    def __init__(self, closures: list, leaves: "_LeafAccumulator", retain_graph: bool) -> None:
-        self._closures, self._leaves, self._retain = closures, leaves, retain_graph
+    def __init__(self, pending: list, leaves: "_LeafAccumulator", retain_graph: bool) -> None:
+        self._pending, self._leaves, self._retain = pending, leaves, retain_graph  # [(node, grads, needs)]
         self.done = False
 
     def __len__(self) -> int:
-        return len(self._closures)
+        return len(self._pending)
 
     def run(self) -> None:
         if self.done:
             raise RuntimeError("this weight-gradient work has already run")
         with grad_mode.no_grad():
-            for fn, grads, needs in self._closures:
+            for fn, grads, needs in self._pending:
                 input_grads = fn.backward(*grads, needs=needs)
                 for index, needed in enumerate(needs):
                     if needed:
                         self._leaves.add(fn.inputs[index], input_grads[index])
                 if not self._retain:
                     fn.release()
-        self._closures = []
+        self._pending = []
         self.done = True
 
 
@@ -199,14 +199,14 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
             if target_ids is not None:
                 for index in range(len(grads)):
                     nonleaf_results[(id(node), index)] = grads[index]
-            if defer_weight_grads:
-                now = tuple(n and not isinstance(t, Parameter) for n, t in zip(needs, node.inputs))
-                later = tuple(n and isinstance(t, Parameter) for n, t in zip(needs, node.inputs))
+            if defer_weight_grads:  # I now (activations), W later (Parameters)
+                needs_now = tuple(n and not isinstance(t, Parameter) for n, t in zip(needs, node.inputs))
+                needs_later = tuple(n and isinstance(t, Parameter) for n, t in zip(needs, node.inputs))
             else:
-                now, later = needs, (False,) * len(needs)
-            if any(now):
-                input_grads = node.backward(*grads, needs=now)
-                for t, needed, g in zip(node.inputs, now, input_grads):
+                needs_now, needs_later = needs, (False,) * len(needs)
+            if any(needs_now):
+                input_grads = node.backward(*grads, needs=needs_now)
+                for t, needed, g in zip(node.inputs, needs_now, input_grads):
                     if not needed:
                         continue
                     if t.grad_fn is None:
@@ -215,8 +215,8 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
                         slots = node_grads.setdefault(id(t.grad_fn), [None] * len(t.grad_fn.output_meta))
                         i = t.output_index
                         slots[i] = g if slots[i] is None else slots[i] + g
-            if any(later):
-                deferred.append((node, grads, later))
+            if any(needs_later):
+                deferred.append((node, grads, needs_later))
             elif not retain_graph:
                 node.release()
 

@@ -59,7 +59,7 @@ class Function:
         self.output_hooks: dict[int, list] = {}  # output index -> gradient hooks (Tensor.register_hook)
         self._recording = False
         self._param_of: dict = {}  # id(array given to forward) -> the Parameter it came from
-        self._counted: list = []
+        self._counted: list = []  # arrays this node added to the saved-tensor ledger; removed on release
 
     # --- called by subclasses -------------------------------------------------------------
     def save_for_backward(self, *arrays) -> None:

@@ -97,14 +97,16 @@ def plan(n: int, slots: int) -> list:
     """The binomial schedule reversing n layers with `slots` snapshot slots (x_0's included)."""
     _check(n, slots)
     actions = [Snapshot(0)]
-    hand = [0]  # position of the state in hand, or None after a Backprop
+    hand = 0  # position of the state in hand, or None after a Backprop
 
     def take(i):
-        if hand[0] != i:
+        nonlocal hand
+        if hand != i:
             actions.append(Restore(i))
-            hand[0] = i
+            hand = i
 
     def reverse(i, j, free):  # x_i is kept; reverse layers i+1..j
+        nonlocal hand
         if j - i == 1:
             take(i)
             actions.extend([Record(i, j), Backprop(i, j)])
@@ -114,16 +116,16 @@ def plan(n: int, slots: int) -> list:
                 if k - 1 > i:
                     actions.append(Advance(i, k - 1))
                 actions.extend([Record(k - 1, k), Backprop(k - 1, k)])
-                hand[0] = None
+                hand = None
         else:
             d = _best_split(j - i, free)
             take(i)
             actions.extend([Advance(i, i + d), Snapshot(i + d)])
-            hand[0] = i + d
+            hand = i + d
             reverse(i + d, j, free - 1)
             actions.append(Free(i + d))
             reverse(i, i + d, free)
-        hand[0] = None
+        hand = None
 
     reverse(0, n, slots - 1)
     actions.append(Free(0))

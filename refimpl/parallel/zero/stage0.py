@@ -30,7 +30,7 @@ class Stage0Trainer(ZeroTrainer):
     stage = 0
 
     def _make_groups(self) -> list:
-        n = self.world_size if self.stage > 0 else 1
+        n = self.world_size if self.sharded else 1  # DP: whole buffers, nothing to shard
         return bucket_groups(self.named, self.bucket_bytes, n, self.rank if n > 1 else 0)
 
     def _hold_parameters(self) -> list:

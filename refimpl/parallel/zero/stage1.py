@@ -39,6 +39,7 @@ class Stage1Trainer(Stage0Trainer):
     """Whole parameters and gradients; optimizer state (and master weights) for one shard."""
 
     stage = 1
+    sharded = True
 
     def _hold_gradients(self) -> None:
         super()._hold_gradients()

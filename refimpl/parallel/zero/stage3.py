@@ -209,9 +209,12 @@ class Stage3Trainer(Stage2Trainer):
             self._order, self._tracing = self._tracing, None
 
     def _start_reduction(self, group):
+        """Two things happen when a unit's last gradient is in: its backward is over, so its
+        gathered parameters are freed (the "free after use" of backward); then, as in stage 2,
+        its gradient bucket is reduce-scattered."""
         unit = self.unit_of.get(group.index)
         if unit is not None:
-            self._release(unit)  # all its gradients are in: its backward is over
+            self._release(unit)
         return super()._start_reduction(group)
 
     # -- publishing and records ---------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class ZeroTrainer:
     """Base class; a stage implements the methods marked "stage" below."""
 
     stage: int = -1
+    sharded = False  # stages 1-3: the optimizer state is cut into N shards, one per rank
     reduce_every_micro_batch = False  # stages 2 and 3: gradients are kept only as a shard
     in_flight = 1  # reductions left running when the next one starts (double buffering, as DeepSpeed's overlap_comm)
 
@@ -71,7 +72,7 @@ class ZeroTrainer:
         self.groups = self._make_groups()  # stage
         self.param_blocks = self._hold_parameters()  # stage: registers parameters, returns blocks
         self.optimizer = ShardedOptimizer(optimizer, self.groups, self.param_blocks, self.ledger, comm, clip,
-                                          self.scaler, sharded=self.stage > 0)
+                                          self.scaler, sharded=self.sharded)
         self._hold_gradients()  # stage
         self._group_of = {id(p): group.index for group in self.groups for p in group.params}
         self._pending = [len(group.params) for group in self.groups]
@@ -100,7 +101,7 @@ class ZeroTrainer:
             rows = (first_row + i * len(xm), len(x), self.steps_done)  # dropout masks as in one process
             loss = micro_batch_loss(self.model, xm, ym, total, rows=rows)
             (loss if self.scaler is None else loss * self.scaler.scale).backward()
-            self._finish_reductions(last)
+            self._finish_reductions()
             self._end_micro_batch()
             loss_value += float(loss.item())
         result = self.optimizer.step(self._gradient_blocks())
@@ -146,7 +147,7 @@ class ZeroTrainer:
         for request in self._started.values():
             request.test()
 
-    def _finish_reductions(self, last: bool) -> None:
+    def _finish_reductions(self) -> None:
         """After backward: start what did not start (groups with missing gradients), wait for all."""
         if self._reducing:
             for group in self.groups:

@@ -9,7 +9,7 @@ waits for). Rank r holds stage r of a pp-stage model and runs:
     warm-up     w = min(p - r - 1, m) forwards, as in 1F1B
     steady      for k = 0 .. m-w-1:  F(w + k), I(k), then W(k - r) once k >= r
     cool-down   for k = m-w .. m-1:  I(k), then W(k - r) once k >= r
-    tail        the W's still deferred (r + 1 of them when m >= p)
+    tail        W(m - r) .. W(m - 1), the r still deferred (all m when m < r)
 
 So rank r starts issuing W only after r steady iterations and ends with r + 1 W's: the gradient
 chain of I's runs down the pipeline without waiting for weight work, and the deferred W's fill
@@ -41,14 +41,12 @@ def zb1p(pp: int, micro_batches: int, chunks: int | None = None) -> Schedule:
     for r in range(pp):
         warmup = min(pp - r - 1, m)
         steps = [Action("F", r, k) for k in range(warmup)]
-        next_w = 0
         for k in range(m):
             if warmup + k < m:
                 steps.append(Action("F", r, warmup + k))
             steps.append(Action("I", r, k))
-            if k >= r:  # W(k - r): this rank keeps r weight gradients deferred
-                steps.append(Action("W", r, next_w))
-                next_w += 1
-        steps += [Action("W", r, j) for j in range(next_w, m)]
+            if k >= r:  # this rank keeps r weight gradients deferred
+                steps.append(Action("W", r, k - r))
+        steps += [Action("W", r, j) for j in range(max(m - r, 0), m)]
         ranks.append(steps)
     return make_schedule("zb1p", pp, m, linear_placement(pp), ranks)
