@@ -132,6 +132,13 @@ def _edges_needed(order: list, targets: set | None) -> dict:
     return needs
 
 
+def _add_output_grad(node_grads: dict, t: Tensor, g) -> None:
+    """Add g to the gradient of output t.output_index of t's node (summing a tensor's several uses)."""
+    slots = node_grads.setdefault(id(t.grad_fn), [None] * len(t.grad_fn.output_meta))
+    i = t.output_index
+    slots[i] = g if slots[i] is None else slots[i] + g
+
+
 def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=None):
     xp = backend.xp()
     tensors = list(tensors)
@@ -157,8 +164,7 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
         if t.grad_fn is None:
             leaf_roots.append((t, g))
             continue
-        slots = node_grads.setdefault(id(t.grad_fn), [None] * len(t.grad_fn.output_meta))
-        slots[t.output_index] = g if slots[t.output_index] is None else slots[t.output_index] + g
+        _add_output_grad(node_grads, t, g)
         roots.append(t.grad_fn)
 
     order = _topological_order(roots)
@@ -212,9 +218,7 @@ def _run(tensors, grad_tensors, *, retain_graph, defer_weight_grads, targets=Non
                     if t.grad_fn is None:
                         leaves.add(t, g)
                     elif g is not None:
-                        slots = node_grads.setdefault(id(t.grad_fn), [None] * len(t.grad_fn.output_meta))
-                        i = t.output_index
-                        slots[i] = g if slots[i] is None else slots[i] + g
+                        _add_output_grad(node_grads, t, g)
             if any(needs_later):
                 deferred.append((node, grads, needs_later))
             elif not retain_graph:

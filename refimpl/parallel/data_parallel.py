@@ -88,6 +88,21 @@ class DataParallelTrainer:
         return {"dp_mode": self.mode, "buckets": None if self.buckets is None else len(self.buckets.groups)}
 
 
+def assign_buckets(param_bytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Parameter indices in buckets of at most bucket_bytes, in the order backward produces the
+    gradients (last parameter first); a parameter larger than bucket_bytes gets a bucket of its own.
+    ZeRO's flat groups use the same rule (zero/flat.py)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(param_bytes))):
+        if not buckets or size + param_bytes[i] > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += param_bytes[i]
+    return buckets
+
+
 class _Buckets:
     """Flat gradient buckets whose all-reduce starts as soon as their last gradient is accumulated."""
 
@@ -95,11 +110,9 @@ class _Buckets:
         xp = backend.xp()
         self.comm = comm
         self.sync = True
-        self.groups: list[list] = []  # parameters of each bucket, in backward order
-        for p in reversed(list(params)):  # backward produces the last layer's gradients first
-            if not self.groups or sum(q.data.nbytes for q in self.groups[-1]) + p.data.nbytes > bucket_bytes:
-                self.groups.append([])  # a parameter larger than bucket_bytes gets a bucket of its own
-            self.groups[-1].append(p)
+        params = list(params)
+        self.groups = [[params[i] for i in bucket]  # parameters of each bucket, in backward order
+                       for bucket in assign_buckets([p.data.nbytes for p in params], bucket_bytes)]
         self.flats = []
         self.bucket_of: dict[int, int] = {}
         for b, group in enumerate(self.groups):

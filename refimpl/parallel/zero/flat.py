@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl import backend
+from refimpl.parallel.data_parallel import assign_buckets
 
 
 def padded_length(numel: int, shards: int) -> int:
@@ -106,15 +107,9 @@ def bucket_groups(named_params: list, bucket_bytes: int, shards: int, rank: int,
     """
     if bucket_bytes <= 0:
         raise ValueError(f"--bucket-bytes must be positive, got {bucket_bytes}")
-    buckets: list[list] = []
-    size = 0
-    for name, p in reversed(named_params):
-        if not buckets or size + p.data.nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, p))
-        size += p.data.nbytes
-    return [FlatGroup(first_index + i, b, shards, rank) for i, b in enumerate(buckets)]
+    buckets = assign_buckets([p.data.nbytes for _, p in named_params], bucket_bytes)
+    return [FlatGroup(first_index + i, [named_params[j] for j in bucket], shards, rank)
+            for i, bucket in enumerate(buckets)]
 
 
 def module_units(model, threshold: int = 0) -> tuple[list, list]:
