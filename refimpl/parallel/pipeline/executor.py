@@ -188,7 +188,7 @@ class PipelineExecutor:
         self._kept: dict[tuple, tuple] = {}  # (stage, mb) -> (x_in leaf or None, y or loss)
         self._work: dict[tuple, object] = {}  # (stage, mb) -> WeightGradWork of its I
         self._act_sends: dict[tuple, object] = {}  # (stage, mb) -> isend request of y
-        self._other_sends: list = []
+        self._grad_sends: list = []  # isend requests of input gradients, polled after every step
         for channel in self.channels.values():
             channel.pending = deque(channel.queue)
             self._post_head(channel, xp)
@@ -214,8 +214,8 @@ class PipelineExecutor:
                 self._send(msg)
             record.steps.append(StepTime(label, kind, start - t0, end - t0, compute,
                                          tuple(parts) if len(parts) > 1 else ()))
-            self._other_sends = [r for r in self._other_sends if not r.test()]  # let MPI progress
-        for request in list(self._act_sends.values()) + self._other_sends:
+            self._grad_sends = [r for r in self._grad_sends if not r.test()]  # let MPI progress
+        for request in list(self._act_sends.values()) + self._grad_sends:
             request.wait()
         leftovers = [c for c in self.channels.values() if c.request is not None or c.pending]
         assert not leftovers and not self._kept and not self._work and not self._inbox, \
@@ -250,7 +250,7 @@ class PipelineExecutor:
         if msg.kind == "act":
             self._act_sends[(msg.src_stage, msg.mb)] = request
         else:
-            self._other_sends.append(request)
+            self._grad_sends.append(request)
 
     def _hand_over(self, kind: str, src: int, dst: int, mb: int, array, direction) -> None:
         """Route an output to stage dst: in memory if this rank runs dst, else to the outbox."""
@@ -261,41 +261,50 @@ class PipelineExecutor:
 
     # --- compute -------------------------------------------------------------------------------
     def _do(self, action: Action) -> None:
+        if action.kind == "F":
+            self._forward(action)
+        elif action.kind in ("B", "I"):
+            self._backward(action, split=action.kind == "I")
+        else:  # W: the weight-gradient work that I deferred
+            self._work.pop((action.stage, action.mb)).run()
+
+    def _forward(self, action: Action) -> None:
+        """F: run the stage on its input; hand the output on (the last stage: the loss)."""
         s, mb = action.stage, action.mb
         stage = self.stages[s]
-        if action.kind == "F":
-            before = saved_tensors.live_bytes
-            if stage.is_first:
-                x_in = None
-                with self._context(mb):
-                    y = stage(self._inputs(mb))
-            else:
-                x_in = Tensor(self._inbox.pop(("act", s, mb)), requires_grad=True)  # a leaf: its .grad goes back
-                with self._context(mb):
-                    y = stage(x_in)
-            if stage.is_last:
-                loss = self._loss_fn(y, mb)
-                self._record.loss += float(loss.item())
-                y = loss
-            else:
-                self._hand_over("act", s, s + 1, mb, y.data, action.direction)
-            self._kept[(s, mb)] = (x_in, y)
-            self._record.activation_bytes[(s, mb)] = saved_tensors.live_bytes - before
-        elif action.kind in ("B", "I"):
-            x_in, y = self._kept.pop((s, mb))
-            g_y = None if stage.is_last else self._inbox.pop(("grad", s, mb))  # None: d loss / d loss = 1
-            sent = self._act_sends.pop((s, mb), None)
-            if sent is not None:
-                sent.wait()  # y's send is complete before its backward (see the module docstring)
-            work = engine.backward([y], None if g_y is None else [g_y], defer_weight_grads=action.kind == "I")
-            if work is not None:
-                self._work[(s, mb)] = work
-            if x_in is not None:
-                if x_in.grad is None:
-                    raise RuntimeError(f"stage {s}: no gradient reached the stage's input for micro-batch {mb}")
-                self._hand_over("grad", s, s - 1, mb, x_in.grad, action.direction)
-        else:  # W
-            self._work.pop((s, mb)).run()
+        before = saved_tensors.live_bytes
+        if stage.is_first:
+            x_in = None
+            with self._context(mb):
+                y = stage(self._inputs(mb))
+        else:
+            x_in = Tensor(self._inbox.pop(("act", s, mb)), requires_grad=True)  # a leaf: its .grad goes back
+            with self._context(mb):
+                y = stage(x_in)
+        if stage.is_last:
+            loss = self._loss_fn(y, mb)
+            self._record.loss += float(loss.item())
+            y = loss
+        else:
+            self._hand_over("act", s, s + 1, mb, y.data, action.direction)
+        self._kept[(s, mb)] = (x_in, y)
+        self._record.activation_bytes[(s, mb)] = saved_tensors.live_bytes - before
+
+    def _backward(self, action: Action, split: bool) -> None:
+        """B, or I with the weight gradients deferred to a later W; hand the input's gradient back."""
+        s, mb = action.stage, action.mb
+        x_in, y = self._kept.pop((s, mb))
+        g_y = None if self.stages[s].is_last else self._inbox.pop(("grad", s, mb))  # None: d loss / d loss = 1
+        sent = self._act_sends.pop((s, mb), None)
+        if sent is not None:
+            sent.wait()  # y's send is complete before its backward (see the module docstring)
+        work = engine.backward([y], None if g_y is None else [g_y], defer_weight_grads=split)
+        if work is not None:
+            self._work[(s, mb)] = work
+        if x_in is not None:
+            if x_in.grad is None:
+                raise RuntimeError(f"stage {s}: no gradient reached the stage's input for micro-batch {mb}")
+            self._hand_over("grad", s, s - 1, mb, x_in.grad, action.direction)
 
 
 def replay_peak(schedule: Schedule, rank: int, activation_bytes: dict, free_at: str = "W") -> int:
