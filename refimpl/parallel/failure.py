@@ -37,6 +37,12 @@ from typing import Callable
 
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
 
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+EXIT_ERROR = 1
+
+_installed_rank: int | None = None
+
 
 class AgreedError(ValueError):
     """Bad input that every rank found together (after exchanging what each rank saw), and raises
@@ -53,12 +59,6 @@ def agree(comm, problem: str | None) -> None:
         return
     where = "" if len(ranks) == len(found) else f" (on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})"
     raise AgreedError(found[ranks[0]] + where)
-
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
-EXIT_ERROR = 1
-
-_installed_rank: int | None = None
 
 
 def format_error(rank: int, exc: BaseException) -> str:

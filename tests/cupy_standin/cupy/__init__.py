@@ -58,13 +58,13 @@ def _unwrap(value, where: str):
     return value
 
 
-def _operands(values, where: str) -> list:
-    """The operands of an elementwise operation: device arrays or scalars, never lists or host arrays."""
+def _check_operands(values, where: str) -> None:
+    """The operands of an elementwise operation are device arrays or scalars, never lists (a host
+    array is refused when they are unwrapped)."""
     for v in values:
         if isinstance(v, (list, tuple)):
             raise TypeError(f"Unsupported type {type(v)} in {where}: a list is not an array in CuPy; "
                             "use cupy.asarray")
-    return _unwrap(list(values), where)
 
 
 def _index(key):
@@ -195,7 +195,7 @@ class ndarray:  # noqa: N801 - CuPy's name
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if ufunc.__name__ not in MODULE_NAMES:
             return NotImplemented
-        _operands(inputs, f"numpy.{ufunc.__name__}")
+        _check_operands(inputs, f"numpy.{ufunc.__name__}")
         return _call(getattr(ufunc, method), inputs, kwargs, f"numpy.{ufunc.__name__}")
 
     def __array_function__(self, function, types, args, kwargs):
@@ -256,7 +256,8 @@ class ndarray:  # noqa: N801 - CuPy's name
 
 def _operator(name: str, in_place: bool = False):
     def method(self, *other):
-        raw = getattr(self._array, name)(*_operands(other, f"ndarray.{name}"))
+        _check_operands(other, f"ndarray.{name}")
+        raw = getattr(self._array, name)(*_unwrap(other, f"ndarray.{name}"))
         if raw is NotImplemented:
             return NotImplemented
         return self if in_place else _wrap(raw, [self, *_devices_in(other)])
@@ -293,7 +294,7 @@ class ufunc:  # noqa: N801 - CuPy's name
         self.__name__ = numpy_ufunc.__name__
 
     def __call__(self, *args, **kwargs):
-        _operands(args, f"cupy.{self.__name__}")
+        _check_operands(args, f"cupy.{self.__name__}")
         return _call(self._ufunc, args, kwargs, f"cupy.{self.__name__}")
 
     def at(self, a, indices, b=None):
