@@ -28,7 +28,8 @@ from refimpl.memory import parse_bytes, memory_by_rank, track_replicated
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
-from refimpl.optim import OPTIMIZERS, clip_grad_norm_
+from refimpl.optim import OPTIMIZERS, clip_coefficient, clip_grad_norm_, squared_norm
+from refimpl.optim.precision import LossScaler
 
 # Per-model defaults (the demo settings); a flag given on the command line overrides them.
 DEFAULTS = {
@@ -113,7 +114,7 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.mem_budget is not None and self.mem_budget <= 0:
             raise ValueError(f"--mem-budget must be positive, got {self.mem_budget}")
-        if self.dtype != "mixed":  # mixed: float16 storage, float32 master weights (parallel/zero/precision.py)
+        if self.dtype != "mixed":  # mixed: float16 storage, float32 master weights (optim/precision.py)
             backend.check_dtype(self.dtype)
         if self.dtype == "float16":
             raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
@@ -151,7 +152,13 @@ def build_optimizer(cfg: TrainConfig, params):
 
 class LocalTrainer:
     """Single-process training on the whole global batch: the reference every distributed trainer
-    is checked against (it imports nothing from refimpl.parallel)."""
+    is checked against (it imports nothing from refimpl.parallel).
+
+    With float16 parameters (--dtype mixed) it follows mixed precision's recipe, as the ZeRO
+    trainers do (optim/precision.py): backward of loss · S into float16 gradients, then in float32
+    g = float32(g16) / S; any non-finite element skips the step and backs the scale off; otherwise
+    clip, update the float32 master weights and copy them into the float16 parameters.
+    """
 
     world_size, rank = 1, 0
 
@@ -160,6 +167,11 @@ class LocalTrainer:
         self.record_grads = False
         self.last_grads: dict = {}
         self.steps_done = 0  # the global batch's number, for split-independent dropout masks
+        self.params = model.parameters()
+        self.scaler = LossScaler() if self.params[0].dtype == "float16" else None
+        if self.scaler is not None:  # float32 master weights and their optimizer state
+            self.masters = [p.data.astype("float32") for p in self.params]
+            self.states = [optimizer.init_state(m) for m in self.masters]
 
     def step(self, x, y) -> float:
         """Forward and backward over grad_accum micro-batches, clip, step, zero grads; return the loss."""
@@ -167,23 +179,61 @@ class LocalTrainer:
         loss_value = 0.0
         for i, (xm, ym) in enumerate(split_batch(x, y, self.grad_accum, "micro-batches (--grad-accum)")):
             loss = micro_batch_loss(self.model, xm, ym, total, rows=(i * len(xm), len(x), self.steps_done))
-            loss.backward()
+            (loss if self.scaler is None else loss * self.scaler.scale).backward()
             loss_value += float(loss.item())
-        if self.clip > 0:
-            clip_grad_norm_(self.model.parameters(), self.clip)
-        if self.record_grads:
-            self.last_grads = {name: backend.to_host(p.grad).copy() for name, p in self.model.named_parameters()}
-        self.optimizer.step()
+        if self.scaler is None:
+            if self.clip > 0:
+                clip_grad_norm_(self.params, self.clip)
+            self._record([p.grad for p in self.params])
+            self.optimizer.step()
+        else:
+            self._mixed_precision_step()
         self.optimizer.zero_grad()
         self.steps_done += 1
         return loss_value
 
+    def _mixed_precision_step(self) -> None:
+        xp = backend.xp()
+        grads = [p.grad.astype("float32") if p.grad is not None else xp.zeros(p.shape, "float32") for p in self.params]
+        for g in grads:
+            g *= 1.0 / self.scaler.scale
+        overflow = not all(bool(xp.isfinite(g).all()) for g in grads)
+        if not overflow and self.clip > 0:
+            coefficient = clip_coefficient(squared_norm(grads), self.clip)
+            if coefficient < 1.0:
+                for g in grads:
+                    g *= coefficient
+        self._record(grads)
+        if not overflow:
+            for p, master, g, state in zip(self.params, self.masters, grads, self.states):
+                self.optimizer.update(master, g, state)
+                p.data[...] = master
+        self.scaler.update(overflow)
+
+    def load_mixed_state(self, masters: dict, optimizer_state: dict) -> None:
+        """Take another run's master weights, optimizer state and loss scale (ZeroTrainer.full_optimizer_state)."""
+        for (name, p), master, state in zip(self.model.named_parameters(), self.masters, self.states):
+            master[...] = backend.asarray(masters[name]).reshape(master.shape)
+            p.data[...] = master
+            for key, arrays in optimizer_state["arrays"].items():
+                state[key][...] = backend.asarray(arrays[name]).reshape(master.shape)
+            state["step"] = optimizer_state["step"]
+        self.scaler.load_state_dict(optimizer_state["loss_scaler"])
+
+    def _record(self, grads) -> None:
+        if self.record_grads:
+            self.last_grads = {name: backend.to_host(g).copy() for (name, _), g in zip(self.model.named_parameters(), grads)}
+
     def full_parameters(self) -> dict:
-        """{name: NumPy array} of the whole model."""
-        return self.model.state_dict()
+        """{name: NumPy array} of the whole model (under mixed precision: the float32 master weights)."""
+        if self.scaler is None:
+            return self.model.state_dict()
+        return {name: backend.to_host(m).copy() for (name, _), m in zip(self.model.named_parameters(), self.masters)}
 
     def report(self) -> dict:
-        return {}
+        if self.scaler is None:
+            return {}
+        return {"precision": "mixed", "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
 
 
 @no_grad()

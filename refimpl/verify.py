@@ -4,39 +4,58 @@ Runs the distributed configuration (under mpiexec, or a world of one process) fo
 steps, and, on rank 0, the single-process reference — train.LocalTrainer, plain training code that
 imports nothing from refimpl.parallel — on the same global batches from the same initial weights.
 After every step it compares the loss, every parameter's gradient (as used by the optimizer) and
-every parameter, and reports the largest absolute and relative differences. It passes when every
-element satisfies
+every parameter with refimpl/compare.py: it passes when every value is finite and
 
     |distributed − reference| <= atol + rtol · |reference|
 
 with rtol 1e-10, atol 1e-12 in float64 and rtol 1e-5, atol 1e-6 in float32 (DESIGN.md's
-tolerances; --rtol and --atol override them).
+tolerances; --rtol and --atol override them). A NaN or inf anywhere fails, naming the step, the
+tensor and the side.
 
 verify runs in float64 unless --dtype says otherwise. A distributed run sums gradients in another
 order than one process, so they differ by rounding (about 1e-16 relative in float64, 1e-7 in
 float32). AdamW divides each gradient by its running magnitude: where a gradient is about as small
 as eps (1e-8), the update's sensitivity to it is about lr/eps, 10⁵ times and more. In float32 that
 turns harmless rounding into parameter differences above 1e-5 after one step (with SGD it does
-not); in float64 the same amplification stays far below 1e-10. It exits 1 when the check fails, and every rank
-exits with the same status. `--json` prints one object with ok, max_abs_diff, max_rel_diff, steps,
-world_size, tolerance_used (the largest |diff| / (atol + rtol·|reference|): the check passes when
-it is at most 1) and the per-step figures. max_rel_diff divides by max(|reference|, atol), so
-elements that are nearly zero can show a large relative difference that is still within atol.
+not); in float64 the same amplification stays far below 1e-10.
+
+--dtype mixed compares float16 storage / float32 master weights / dynamic loss scaling with
+LocalTrainer running the same recipe, at the tolerance of `mixed_tolerance` below, and checks that
+both runs skip the same steps (--inject-overflow K puts an inf into one gradient at step K on both
+sides: both must skip it).
+
+--sweep N draws N configurations valid for this world size (refimpl/sweep.py) and verifies each;
+--trainer module:function verifies a trainer of your own (docs/verify_your_algorithm.md).
+
+It exits 1 when the check fails, and every rank exits with the same status. `--json` prints one
+object with ok, max_abs_diff, max_rel_diff, steps, world_size, tolerance_used (the largest
+|diff| / (atol + rtol·|reference|): the check passes when it is at most 1), problems (non-finite
+values, skipped steps that differ) and the per-step figures; with --sweep,
+{"ok", "seed", "sweep": [{"flags", "ok", "tolerance_used", "problems"}, ...]}.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import inspect
+import shlex
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from refimpl import backend
+from refimpl.compare import TOLERANCES, Comparison, compare_arrays, compare_step, compare_values
 from refimpl.console import emit_json, log
 from refimpl.train import LocalTrainer, add_arguments as add_train_arguments, build_model, build_optimizer, \
     build_task, check_same_config, config_from_args, get_world, make_trainer
 
-TOLERANCES = {"float64": (1e-10, 1e-12), "float32": (1e-5, 1e-6)}
 DEFAULT_STEPS = 3
+# What verify reads and sets on a trainer (docs/verify_your_algorithm.md, "The trainer interface").
+PROTOCOL = ("step", "full_parameters", "record_grads", "last_grads", "world_size", "rank", "report")
+FLOAT16_UNIT_ROUNDOFF = 2.0 ** -11  # u: float16 rounds a real x to x(1 + δ), |δ| ≤ u (11-bit significand)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,99 +63,248 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(dtype="float64")  # verification is done in float64 (see the module docstring)
     p.add_argument("--rtol", type=float, help="relative tolerance (float64 1e-10, float32 1e-5)")
     p.add_argument("--atol", type=float, help="absolute tolerance (float64 1e-12, float32 1e-6)")
+    p.add_argument("--sweep", type=int, metavar="N",
+                   help="verify N configurations drawn for this world size (refimpl/sweep.py)")
+    p.add_argument("--sweep-seed", type=int, metavar="S", help="seed of the sweep's draws (default: a new one, printed)")
+    p.add_argument("--trainer", metavar="MODULE:FUNCTION",
+                   help="verify your own trainer: FUNCTION(cfg, model, world) -> trainer, from a module or a .py file")
+    p.add_argument("--inject-overflow", type=int, metavar="STEP",
+                   help="--dtype mixed: put an inf into one gradient at STEP on both sides (both must skip it)")
 
 
-def compare(ours: dict, reference: dict, rtol: float, atol: float) -> dict:
-    """Largest absolute and relative differences over arrays with the same names, and whether all pass."""
-    worst = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "tolerance_used": 0.0, "worst_name": None, "ok": True}
-    if set(ours) != set(reference):
-        raise ValueError(f"verify: the runs have different parameters: {sorted(set(ours) ^ set(reference))}")
-    for name, ref in reference.items():
-        a, b = np.asarray(ours[name], dtype=np.float64), np.asarray(ref, dtype=np.float64)
-        diff = np.abs(a - b)
-        abs_diff = float(diff.max()) if diff.size else 0.0
-        rel_diff = float((diff / np.maximum(np.abs(b), atol)).max()) if diff.size else 0.0
-        if abs_diff > worst["max_abs_diff"]:
-            worst["max_abs_diff"], worst["worst_name"] = abs_diff, name
-        worst["max_rel_diff"] = max(worst["max_rel_diff"], rel_diff)
-        used = float((diff / (atol + rtol * np.abs(b))).max()) if diff.size else 0.0
-        worst["tolerance_used"] = max(worst["tolerance_used"], used)  # <= 1 passes
-    worst["ok"] = worst["tolerance_used"] <= 1.0
-    return worst
+# -- the trainer under test ----------------------------------------------------------------------
+
+def load_trainer_factory(spec: str):
+    """FUNCTION from 'package.module:FUNCTION' or 'path/to/file.py:FUNCTION' (a clear error otherwise)."""
+    module_name, sep, function = spec.rpartition(":")
+    if not sep or not module_name or not function:
+        raise ValueError(f"--trainer {spec!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION, e.g. "
+                         f"docs/examples/flat_allreduce_trainer.py:make_trainer")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ValueError(f"--trainer {spec!r}: no file {module_name}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, ".")  # a module in the working directory, as `python -m` would find it
+            module = importlib.import_module(module_name)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see, in one line
+        raise ValueError(f"--trainer {spec!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise ValueError(f"--trainer {spec!r}: {module_name} has no function {function!r}")
+    try:
+        inspect.signature(factory).bind("cfg", "model", "world")
+    except TypeError:
+        raise ValueError(f"--trainer {spec!r}: {function} must take (cfg, model, world) and return a trainer") from None
+    except ValueError:  # a builtin without a signature: let the call itself decide
+        pass
+    return factory
 
 
-def run(args) -> int:
-    if args.steps is None:
-        args.steps = DEFAULT_STEPS
-    cfg = config_from_args(args)
-    cfg.check()
-    if cfg.dtype not in TOLERANCES:  # mixed precision has no single-process twin to compare with
-        raise ValueError(f"verify compares float64 or float32 runs with single-process training, not --dtype "
-                         f"{cfg.dtype}; mixed precision is tested in tests/test_zero.py (loss scaling, skipped steps)")
-    rtol = args.rtol if args.rtol is not None else TOLERANCES[cfg.dtype][0]
-    atol = args.atol if args.atol is not None else TOLERANCES[cfg.dtype][1]
-    world = get_world(cfg)
-    check_same_config(world, cfg)
+def build_trainer(cfg, world, factory=None):
+    """The distributed trainer for cfg on world (refimpl's own, or factory(cfg, model, world))."""
+    model = build_model(cfg, build_task(cfg))
+    if factory is None:
+        return make_trainer(cfg, model, world, distributed=True)
+    trainer = factory(cfg, model, world)
+    missing = [name for name in PROTOCOL if not hasattr(trainer, name)]
+    if missing:
+        raise ValueError(f"--trainer: {type(trainer).__name__} lacks {', '.join(missing)} of the trainer protocol "
+                         f"({', '.join(PROTOCOL)}; docs/verify_your_algorithm.md)")
+    return trainer
+
+
+# -- tolerances ----------------------------------------------------------------------------------
+
+def mixed_tolerance(world_size: int, grad_accum: int) -> dict:
+    """Mixed precision's tolerances, from float16 rounding of the summed gradients.
+
+    A gradient element that reaches the optimizer is the sum of K = N·g float16 partial gradients
+    (N ranks, g micro-batches per rank): each partial is the float32 gradient of loss·S rounded to
+    float16, and each addition rounds to float16 again. One process rounds its own g micro-batch
+    gradients and their sum the same way. Recursive summation of K terms is within
+    (K−1)·u·Σ|terms| of the exact sum, and each term within u·|term| of its float32 value
+    (Higham, Accuracy and Stability of Numerical Algorithms, §4.2), u = 2⁻¹¹ (float16's unit
+    roundoff). Σ|terms| is not known after the sum; it is at most |g| where terms agree in sign and
+    at most about the tensor's largest gradient G where they cancel. Both sides carry such an
+    error, so, per tensor T and element i (verify's gradients, after unscaling and clipping):
+
+        |g_i − g_ref,i| ≤ δ_i = 4K·u·(|g_ref,i| + G_T),     G_T = max_i |g_ref,i| over T
+
+    The master weights are compared *in lockstep*: before each step the reference takes the
+    distributed run's master weights, optimizer state and loss scale (ZeroTrainer.full_optimizer_state),
+    so each step's difference comes from that step's gradients alone and does not compound
+    (AdamW turns a sign flip of a near-zero gradient into a 2·lr difference, which an independent
+    run would then carry and amplify). From the same state, an update differs by at most the
+    optimizer's update_error_bound(δ) (SGD: lr·δ; AdamW: optim/adamw.py), so
+
+        |w_i − w_ref,i| ≤ 4·u₃₂·|w_ref,i| + update_error_bound(δ)_i,      u₃₂ = 2⁻²⁴
+
+    and the loss, a float32 forward of the same float16 weights on differently split batches, is
+    held to rtol 4K·u. The bug of a loss scale that is never divided out makes every gradient
+    S = 2¹⁶ times too large, thousands of times δ; a gradient sum lost over N ranks is off by
+    (N−1)/N·|g|, about 1/(8K·u) = 256/K times δ for the larger elements.
+    """
+    k = world_size * grad_accum
+    return {"k": k, "grad_rtol": 4 * k * FLOAT16_UNIT_ROUNDOFF, "weight_rtol": 4 * 2.0 ** -24,
+            "loss_rtol": 4 * k * FLOAT16_UNIT_ROUNDOFF}
+
+
+def _compare_mixed_step(step, ours, ref, state_before, optimizer, tol) -> Comparison:
+    """One lockstep step of mixed precision at mixed_tolerance's bounds."""
+    if ours["skipped"] or ref["skipped"]:  # both skipped: parameters unchanged and equal; one: a failure
+        return compare_step(step, ours, ref, tol["weight_rtol"], 0.0)
+    delta = {name: tol["grad_rtol"] * (np.abs(g) + np.abs(g).max(initial=0.0)) for name, g in ref["grads"].items()}
+    grads = compare_arrays(ours["grads"], ref["grads"], 0.0, delta, what="gradient", step=step)
+    bound = {name: backend.to_host(optimizer.update_error_bound(backend.asarray(delta[name]), state_before[name]))
+             for name in state_before}
+    weights = compare_arrays(ours["params"], ref["params"], tol["weight_rtol"], bound, what="master weight", step=step)
+    loss = compare_values(ours["loss"], ref["loss"], tol["loss_rtol"], 0.0, "loss", step)
+    return grads.merge(weights).merge(loss)
+
+
+# -- one configuration ---------------------------------------------------------------------------
+
+def _inject_inf(model):
+    """Put an inf into the last parameter's gradient on its way in (the overflow test)."""
+    def with_inf(grad):
+        grad = grad.copy()
+        grad.reshape(-1)[0] = np.inf
+        return grad
+    return model.parameters()[-1].register_hook(with_inf)
+
+
+def _state_by_name(reference) -> dict:
+    """{name: copy of the reference's optimizer state for that parameter} (mixed precision)."""
+    return {name: {k: v.copy() if hasattr(v, "copy") else v for k, v in state.items()}
+            for (name, _), state in zip(reference.model.named_parameters(), reference.states)}
+
+
+def _skipped(trainer) -> int:
+    return int(trainer.report().get("skipped_steps", 0) or 0)
+
+
+def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflow=None, quiet=False) -> dict:
+    """Run cfg distributed on `world` and, on rank 0, LocalTrainer; compare every step.
+
+    Returns, on every rank, {"ok": bool (the same on every rank), ...}; rank 0's dict also holds the
+    figures (max differences, tolerance_used, problems, per_step).
+    """
+    mixed = cfg.dtype == "mixed"
+    if not mixed and cfg.dtype not in TOLERANCES:
+        raise ValueError(f"verify compares float64, float32 or mixed runs, not --dtype {cfg.dtype}")
+    if inject_overflow is not None and not mixed:
+        raise ValueError("--inject-overflow tests mixed precision's skip rule: use it with --dtype mixed")
+    if inject_overflow is not None and not 0 <= inject_overflow < cfg.steps:
+        raise ValueError(f"--inject-overflow {inject_overflow} is not a step of this run (0 .. {cfg.steps - 1})")
+    tol = mixed_tolerance(world.size, cfg.grad_accum) if mixed else None
+    if mixed and (rtol is not None or atol is not None):
+        raise ValueError("--rtol and --atol set float32/float64 tolerances; mixed precision's follow from float16 "
+                         "rounding (verify.mixed_tolerance)")
+    if not mixed:
+        rtol = TOLERANCES[cfg.dtype][0] if rtol is None else rtol
+        atol = TOLERANCES[cfg.dtype][1] if atol is None else atol
     task = build_task(cfg)
+    comm = world.with_collectives(cfg.collectives)
 
     # 1. The distributed run, recording what rank 0 needs for the comparison.
-    trainer = make_trainer(cfg, build_model(cfg, task), world, distributed=True)
+    trainer = build_trainer(cfg, comm, factory)
     trainer.record_grads = True
     recorded = []
     for step in range(cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
+        skipped_before = _skipped(trainer)
+        hook = _inject_inf(trainer.model) if step == inject_overflow and world.rank == world.size - 1 else None
         loss = trainer.step(x, y)
+        if hook is not None:
+            hook.remove()
         params = trainer.full_parameters()
+        state = trainer.full_optimizer_state() if mixed else None  # for the lockstep reference
         if world.rank == 0:
-            recorded.append((loss, trainer.last_grads, params))
-    counters = world.counters_by_rank()
+            recorded.append({"loss": loss, "grads": trainer.last_grads, "params": params, "state": state,
+                             "skipped": _skipped(trainer) > skipped_before})
 
     # 2. The single-process reference, on rank 0, on the same global batches.
-    result = None
+    result = {"ok": True}
     if world.rank == 0:
         model = build_model(cfg, task)
         reference = LocalTrainer(model, build_optimizer(cfg, model.parameters()), cfg.grad_accum, cfg.clip)
         reference.record_grads = True
-        per_step = []
-        for step, (loss, grads, params) in enumerate(recorded):
+        total, per_step = Comparison(), []
+        for step, ours in enumerate(recorded):
             x, y = task.batch(step, cfg.batch_size)
+            if mixed and step > 0:  # lockstep: from the distributed run's state after the previous step
+                reference.load_mixed_state(recorded[step - 1]["params"], recorded[step - 1]["state"])
+            state_before = _state_by_name(reference) if mixed else None
+            skipped_before = _skipped(reference)
+            hook = _inject_inf(model) if step == inject_overflow else None
             ref_loss = reference.step(x, y)
-            g = compare(grads, reference.last_grads, rtol, atol)
-            p = compare(params, reference.full_parameters(), rtol, atol)
-            loss_diff = abs(loss - ref_loss)
-            loss_ok = loss_diff <= atol + rtol * abs(ref_loss)
-            per_step.append({"step": step, "loss": loss, "reference_loss": ref_loss, "loss_abs_diff": loss_diff,
-                             "grad_max_abs_diff": g["max_abs_diff"], "grad_max_rel_diff": g["max_rel_diff"],
-                             "param_max_abs_diff": p["max_abs_diff"], "param_max_rel_diff": p["max_rel_diff"],
-                             "tolerance_used": max(g["tolerance_used"], p["tolerance_used"]),
-                             "ok": bool(g["ok"] and p["ok"] and loss_ok)})
-            log(f"step {step}: loss {loss:.12g} (reference {ref_loss:.12g}, |diff| {loss_diff:.2e}); "
-                f"grads max |diff| {g['max_abs_diff']:.2e} (rel {g['max_rel_diff']:.2e}, worst {g['worst_name']}); "
-                f"params max |diff| {p['max_abs_diff']:.2e} (rel {p['max_rel_diff']:.2e})"
-                + ("" if per_step[-1]["ok"] else "  <-- beyond tolerance"))
-        result = {
-            "ok": all(s["ok"] for s in per_step),
-            "max_abs_diff": max(max(s["grad_max_abs_diff"], s["param_max_abs_diff"], s["loss_abs_diff"]) for s in per_step),
-            "max_rel_diff": max(max(s["grad_max_rel_diff"], s["param_max_rel_diff"]) for s in per_step),
-            "tolerance_used": max(s["tolerance_used"] for s in per_step),
-            "steps": cfg.steps,
-            "world_size": world.size,
-            "rtol": rtol,
-            "atol": atol,
-            "trainer": type(trainer).__name__,
-            **trainer.report(),
-            "per_step": per_step,
-            "bytes_sent": counters,
-            "backend": backend.name(),
-            **world.transfer_report(),  # CUDA-aware MPI or host staging (parallel/staging.py)
-        }
-    ok = world.bcast_object(None if result is None else result["ok"])
+            if hook is not None:
+                hook.remove()
+            ref = {"loss": ref_loss, "grads": reference.last_grads, "params": reference.full_parameters(),
+                   "skipped": _skipped(reference) > skipped_before}
+            if mixed:
+                c = _compare_mixed_step(step, ours, ref, state_before, reference.optimizer, tol)
+            else:
+                c = compare_step(step, ours, ref, rtol, atol)
+            total = total.merge(c)
+            per_step.append({"step": step, "loss": ours["loss"], "reference_loss": ref_loss,
+                             "skipped": ours["skipped"], "reference_skipped": ref["skipped"],
+                             "max_abs_diff": c.max_abs_diff, "tolerance_used": c.tolerance_used, "ok": c.ok})
+            if not quiet:
+                log(f"step {step}: loss {ours['loss']:.12g} (reference {ref_loss:.12g})"
+                    + (" skipped on both sides (overflow)" if ours["skipped"] and ref["skipped"] else "")
+                    + f"; max |diff| {c.max_abs_diff:.1e} (largest in {c.worst_name}), "
+                      f"tolerance used {c.tolerance_used:.3g}" + ("" if c.ok else "  <-- FAIL"))
+                for problem in c.problems:
+                    log(f"  {problem}")
+        result = {"ok": total.ok, "max_abs_diff": total.max_abs_diff, "max_rel_diff": total.max_rel_diff,
+                  "tolerance_used": total.tolerance_used, "worst_name": total.worst_name,
+                  "problems": total.problems, "steps": cfg.steps, "world_size": world.size,
+                  "rtol": None if mixed else rtol, "atol": None if mixed else atol, "trainer": type(trainer).__name__, **trainer.report(),
+                  "reference_skipped_steps": _skipped(reference), "per_step": per_step}
+        if mixed:
+            result["mixed_tolerance"] = tol
+    result["ok"] = bool(world.bcast_object(result["ok"]))
+    return result
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def run(args) -> int:
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS
+    if args.sweep is not None:
+        from refimpl.sweep import run_sweep  # noqa: PLC0415
+
+        return run_sweep(args)
+    factory = load_trainer_factory(args.trainer) if args.trainer else None
+    cfg = config_from_args(args)
+    cfg.check()
+    world = get_world(cfg)
+    check_same_config(world, cfg)
+    result = verify_config(cfg, world, factory, args.rtol, args.atol, args.inject_overflow)
+    counters = world.counters_by_rank()
     if world.rank == 0:
-        verdict = "PASS" if ok else "FAIL"
-        log(f"verify {verdict}: {type(trainer).__name__} on {world.size} process(es) vs single-process reference, "
-            f"{cfg.steps} steps, max abs diff {result['max_abs_diff']:.3e}; "
-            f"largest |diff| / (atol + rtol |reference|) = {result['tolerance_used']:.3g}, passes at <= 1 "
-            f"(rtol {rtol:g}, atol {atol:g})")
+        result.update({"bytes_sent": counters, "backend": backend.name(), **world.transfer_report()})
+        log(f"verify {'PASS' if result['ok'] else 'FAIL'}: {result['trainer']} on {world.size} process(es) vs "
+            f"single-process reference, {cfg.steps} steps, {cfg.dtype}; largest |diff| / (atol + rtol |reference|) "
+            f"= {result['tolerance_used']:.3g}, passes at <= 1 ("
+            + ("mixed precision's float16 bounds, lockstep" if cfg.dtype == "mixed" else
+               f"rtol {result['rtol']:g}, atol {result['atol']:g}") + ")"
+            + (f"; {len(result['problems'])} problem(s), first: {result['problems'][0]}" if result["problems"] else ""))
         if args.json:
             emit_json(result)
-    return 0 if ok else 1
+    return 0 if result["ok"] else 1
+
+
+def command_line(world_size: int, flags: list) -> str:
+    """The command that reproduces one verification."""
+    launcher = f"mpiexec -n {world_size} " if world_size > 1 else ""
+    return launcher + "python -m refimpl verify " + " ".join(shlex.quote(str(f)) for f in flags)

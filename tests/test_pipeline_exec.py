@@ -23,7 +23,7 @@ from refimpl.parallel.pipeline.render import step_label
 from refimpl.parallel.pipeline.stage import split_model, stage_sizes
 from refimpl.parallel.pipeline.trainer import PipelineTrainer
 from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
-from refimpl.verify import compare
+from refimpl.compare import compare_arrays
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]
 
@@ -120,8 +120,8 @@ def test_one_process_pipeline_equals_local_training(name, m, model):
         x, y = task.batch(step, cfg.batch_size)
         loss, ref_loss = trainer.step(x, y), reference.step(x, y)
         assert abs(loss - ref_loss) <= 1e-12 + 1e-10 * abs(ref_loss)
-        assert compare(trainer.last_grads, reference.last_grads, 1e-10, 1e-12)["ok"]
-        assert compare(trainer.full_parameters(), reference.full_parameters(), 1e-10, 1e-12)["ok"]
+        assert compare_arrays(trainer.last_grads, reference.last_grads, 1e-10, 1e-12).ok
+        assert compare_arrays(trainer.full_parameters(), reference.full_parameters(), 1e-10, 1e-12).ok
     report = trainer.report()["pipeline"]
     assert saved_tensors.live_bytes == live_before  # every activation was released by its backward
     if name in ("gpipe", "1f1b", "interleaved"):  # full backwards: the ledger's peak is the replay's, exactly

@@ -12,7 +12,7 @@ from refimpl.nn import functional as F
 from refimpl.optim import AdamW
 from refimpl.parallel.zero import make_zero_trainer
 from refimpl.parallel.zero.flat import FlatGroup, bucket_groups, module_units, padded_length
-from refimpl.parallel.zero.precision import LossScaler
+from refimpl.optim.precision import LossScaler
 from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
 
 

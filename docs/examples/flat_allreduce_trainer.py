@@ -1,16 +1,21 @@
 """A new data-parallel trainer, checked against single-process training the way `verify` does it.
 
 Launch: mpiexec -n 2 python docs/examples/flat_allreduce_trainer.py [--average] [--steps 3]
+   or:  mpiexec -n 2 python -m refimpl verify --trainer docs/examples/flat_allreduce_trainer.py:make_trainer
 
 FlatAllReduceTrainer packs every gradient into one flat buffer and all-reduces it in one call. It
 has the interface every trainer in refimpl has (train.LocalTrainer, DataParallelTrainer, the ZeRO
 and pipeline trainers): step(x, y) on the global batch, returning the global loss;
-full_parameters(); record_grads and last_grads; world_size, rank and report(). main() trains it
-and, on rank 0, train.LocalTrainer on the same global batches from the same initial weights, and
-compares losses, gradients and parameters after every step with verify.compare, at verify's
-tolerances. --average introduces a classic bug (dividing the summed gradients by the number of
-ranks, although refimpl's loss is already normalised by the global batch): the check fails.
-Exits 0 when the runs agree, 1 otherwise, on every rank. See docs/verify_your_algorithm.md.
+full_parameters(); record_grads and last_grads; world_size, rank and report().
+
+Two ways to check it. `make_trainer(cfg, model, world)` is what `verify --trainer` calls: verify
+and `verify --sweep N` then check this trainer exactly as they check refimpl's own. main() does by
+hand what verify does: it trains the trainer and, on rank 0, train.LocalTrainer on the same
+global batches from the same initial weights, and compares every step with refimpl.compare at
+verify's tolerances. --average (or make_averaging_trainer) introduces a classic bug (dividing the
+summed gradients by the number of ranks, although refimpl's loss is already normalised by the
+global batch): the check fails. Exits 0 when the runs agree, 1 otherwise, on every rank. See
+docs/verify_your_algorithm.md.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from refimpl.objective import count_targets, micro_batch_loss, split_batch
 from refimpl.optim import clip_grad_norm_
 from refimpl.parallel.comm import get_world
 from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
-from refimpl.verify import TOLERANCES, compare
+from refimpl.compare import TOLERANCES, Comparison, compare_step
 
 
 class FlatAllReduceTrainer:
@@ -70,6 +75,16 @@ class FlatAllReduceTrainer:
         return {"trainer": "FlatAllReduceTrainer", "average": self.average}
 
 
+def make_trainer(cfg, model, world):
+    """What `verify --trainer FILE:make_trainer` calls: the trainer for this configuration."""
+    return FlatAllReduceTrainer(model, build_optimizer(cfg, model.parameters()), world, cfg.clip)
+
+
+def make_averaging_trainer(cfg, model, world):
+    """The same trainer with the averaging bug: `verify --trainer FILE:make_averaging_trainer` fails."""
+    return FlatAllReduceTrainer(model, build_optimizer(cfg, model.parameters()), world, cfg.clip, average=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--average", action="store_true", help="divide the summed gradients by the ranks (a bug)")
@@ -87,20 +102,20 @@ def main() -> int:
         ref_model = build_model(cfg, task)
         reference = LocalTrainer(ref_model, build_optimizer(cfg, ref_model.parameters()), cfg.grad_accum, cfg.clip)
         reference.record_grads = True
-    ok = True
+    total = Comparison()
     for step in range(cfg.steps):
         x, y = task.batch(step, cfg.batch_size)  # every rank builds the same global batch
         loss = trainer.step(x, y)
         params = trainer.full_parameters()  # every rank calls it (a sharded trainer communicates here)
         if world.rank == 0:
             ref_loss = reference.step(x, y)
-            grads = compare(trainer.last_grads, reference.last_grads, rtol, atol)
-            weights = compare(params, reference.full_parameters(), rtol, atol)
-            loss_ok = abs(loss - ref_loss) <= atol + rtol * abs(ref_loss)
-            ok = ok and grads["ok"] and weights["ok"] and loss_ok
-            print(f"step {step}: loss {loss:.12f} (reference {ref_loss:.12f}); largest |diff| in gradients "
-                  f"{grads['max_abs_diff']:.1e} ({grads['worst_name']}), in parameters {weights['max_abs_diff']:.1e}")
-    ok = world.bcast_object(ok)
+            ours = {"loss": loss, "grads": trainer.last_grads, "params": params}
+            ref = {"loss": ref_loss, "grads": reference.last_grads, "params": reference.full_parameters()}
+            one = compare_step(step, ours, ref, rtol, atol)  # NaN or inf anywhere fails
+            total = total.merge(one)
+            print(f"step {step}: {'ok' if one.ok else 'FAIL'}, largest |diff| / tolerance {one.tolerance_used:.1g}"
+                  + "".join(f"\n  {problem}" for problem in one.problems))
+    ok = world.bcast_object(total.ok)
     if world.rank == 0:
         print(f"{'PASS' if ok else 'FAIL'}: FlatAllReduceTrainer on {world.size} process(es) vs one process, "
               f"{cfg.steps} steps (float64, rtol {rtol:g}, atol {atol:g})")

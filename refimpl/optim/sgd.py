@@ -37,3 +37,7 @@ class SGD(ArrayOptimizer):
                 buf += grad
             grad = buf
         param -= self.lr * grad
+
+    def update_error_bound(self, grad_error, state_before: dict):
+        """θ moves by lr·(μ b + g + λθ): a gradient off by δ moves it by lr·δ more or less."""
+        return self.lr * grad_error

@@ -5,7 +5,7 @@ Launch:  mpiexec -n 4 python tests/mpi_programs/pipeline_verify.py '[{"schedule"
 Each configuration (JSON object; defaults below) builds a PipelineTrainer on the whole world
 (dp = world size / pp), runs `steps` optimizer steps in float64 and, on rank 0, the single-process
 LocalTrainer on the same batches; it records the worst loss / gradient / parameter differences
-(verify.compare, rtol 1e-10, atol 1e-12), the executor's point-to-point counters, and the
+(refimpl.compare, rtol 1e-10, atol 1e-12), the executor's point-to-point counters, and the
 trainer's report (peaks, measured timeline). Rank 0 prints one JSON list, one entry per
 configuration, on the last stdout line.
 """
@@ -16,7 +16,7 @@ import sys
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline.trainer import PipelineTrainer
 from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
-from refimpl.verify import compare
+from refimpl.compare import Comparison, compare_step
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=2, m=4, chunks=None, n_layer=4, d_model=8, n_head=2, seq_len=8,
                 batch=None, steps=2, clip=1.0, checkpoint=None, optimizer="adamw", collectives="mpi",
@@ -54,17 +54,15 @@ def run(world, spec: dict) -> dict:
         model = build_model(cfg, task)
         reference = LocalTrainer(model, build_optimizer(cfg, model.parameters()), 1, cfg.clip)
         reference.record_grads = True
-        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-        ok = True
+        total = Comparison()
         for step, (loss, grads, params) in enumerate(recorded):
             x, y = task.batch(step, batch)
             ref_loss = reference.step(x, y)
-            g = compare(grads, reference.last_grads, 1e-10, 1e-12)
-            p = compare(params, reference.full_parameters(), 1e-10, 1e-12)
-            loss_diff = abs(loss - ref_loss)
-            worst = {"loss": max(worst["loss"], loss_diff), "grad": max(worst["grad"], g["max_abs_diff"]),
-                     "param": max(worst["param"], p["max_abs_diff"])}
-            ok = ok and g["ok"] and p["ok"] and loss_diff <= 1e-12 + 1e-10 * abs(ref_loss)
+            total = total.merge(compare_step(step, {"loss": loss, "grads": grads, "params": params},
+                                             {"loss": ref_loss, "grads": reference.last_grads,
+                                              "params": reference.full_parameters()}, 1e-10, 1e-12))
+        ok, worst = total.ok, {"max_abs_diff": total.max_abs_diff, "tolerance_used": total.tolerance_used,
+                               "problems": total.problems[:5]}
         result.update(ok=bool(ok), worst=worst, n_params=model.num_parameters())
     del before
     return result

@@ -26,18 +26,14 @@ import sys
 
 import numpy as np
 
+from refimpl.compare import compare_arrays, compare_values
 from refimpl.parallel.comm import get_world
 from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task, make_trainer
 
 
 def tolerance_used(ours: dict, reference: dict, rtol: float = 1e-10, atol: float = 1e-12) -> float:
-    worst = 0.0
-    for name, ref in reference.items():
-        a, b = np.asarray(ours[name], np.float64), np.asarray(ref, np.float64)
-        if not np.all(np.isfinite(a)):
-            return float("inf")
-        worst = max(worst, float((np.abs(a - b) / (atol + rtol * np.abs(b))).max()))
-    return worst
+    """refimpl.compare's figure: the largest |diff| / (atol + rtol |reference|); inf if anything is not finite."""
+    return compare_arrays(ours, reference, rtol, atol).tolerance_used
 
 
 def layout(trainer) -> dict:
@@ -96,7 +92,7 @@ def run_case(world, case: dict) -> dict:
         reference.record_grads = True
         ref_losses = [reference.step(*task.batch(step, cfg.batch_size)) for step in range(case["steps"])]
         result["vs_reference"] = {
-            "loss": max(abs(a - b) / (1e-12 + 1e-10 * abs(b)) for a, b in zip(losses, ref_losses)),
+            "loss": max(compare_values(a, b, 1e-10, 1e-12, "loss").tolerance_used for a, b in zip(losses, ref_losses)),
             "grads": tolerance_used(grads, reference.last_grads),
             "params": tolerance_used(params, reference.full_parameters()),
         }

@@ -11,10 +11,10 @@ Data parallelism keeps a whole copy of the model state on each of N ranks. ZeRO 
 (P, G, K bytes per parameter of parameters, gradients, optimizer state: mixed-precision Adam
 2, 2, 12; float32 Adam 4, 4, 8. Traffic in elements per rank on a ring, one micro-batch.)
 
-Files, one idea each:
+Files, one idea each (mixed precision's loss scaler is refimpl/optim/precision.py, shared with
+single-process training):
 
     flat.py        flat buffers padded to a multiple of N; shards; grouping into buckets / units
-    precision.py   float16 storage, float32 master weights, dynamic loss scaling
     optimizer.py   the sharded optimizer step (unscale, overflow vote, clip, update, cast back)
     trainer.py     the training step and gradient hooks every stage shares
     stage0.py      DP in the same framework (for mixed precision)

@@ -11,7 +11,7 @@ and, at step time, the block of the summed gradient (reduce-scatter output, or t
 gradient shard). The step, identical on every rank except for which block it touches:
 
     1. mixed precision: g32 = float32(g16) / S; overflow = any non-finite element on any rank
-       (a max all-reduce of one flag); on overflow every rank skips the step (precision.py)
+       (a max all-reduce of one flag); on overflow every rank skips the step (optim/precision.py)
     2. clipping: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (a sum all-reduce of one number);
        g ← g · min(1, max_norm / (‖g‖ + 1e-6)), as optim.clip_grad_norm_ on whole gradients
     3. optimizer.update(master, g, state) -- the same AdamW/SGD code as single-process training,

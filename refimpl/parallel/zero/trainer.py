@@ -40,7 +40,7 @@ from refimpl.memory import MemoryLedger
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
 
 from .optimizer import ShardedOptimizer
-from .precision import LossScaler, storage_dtype
+from refimpl.optim.precision import LossScaler, storage_dtype
 
 
 class ZeroTrainer:
@@ -190,12 +190,30 @@ class ZeroTrainer:
         return whole
 
     def full_parameters(self) -> dict:
-        """{name: NumPy array} of the whole model, in the model's order (collective under ZeRO-3)."""
+        """{name: NumPy array} of the whole model, in the model's order (collective when sharded).
+
+        Under mixed precision these are the float32 master weights: the parameters the optimizer
+        holds (the float16 copies are rounded from them), and what verify compares.
+        """
+        if self.scaler is not None:
+            return self._gather_blocks(self.optimizer.masters)
         arrays = {}
         for group in self.groups:
             for name, view in zip(group.names, group.views(self._whole_parameters(group))):
                 arrays[name] = backend.to_host(view).copy()
         return {name: arrays[name] for name, _ in self.named}
+
+    def full_optimizer_state(self) -> dict:
+        """{"step", "arrays": {state key: {name: whole array}}, "loss_scaler"} (collective when sharded).
+
+        verify --dtype mixed hands it to the single-process reference before each step, so that
+        each step is compared from the same state (verify.py, "lockstep").
+        """
+        keys = self.optimizer.state_arrays(0).keys() if self.groups else ()
+        arrays = {key: self._gather_blocks([self.optimizer.state_arrays(g.index)[key] for g in self.groups])
+                  for key in keys}
+        return {"step": self.optimizer.steps_taken, "arrays": arrays,
+                "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     @property
     def padding_elements(self) -> int:

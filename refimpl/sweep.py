@@ -1,0 +1,132 @@
+"""`verify --sweep N`: draw N configurations valid for this world size, and verify each one.
+
+The space drawn from is the one the property tests draw from (tests/test_verify_drawn.py), so a
+user's sweep and CI check the same things: every ZeRO stage (0-3), built-in and ring collectives,
+naive and bucketed DDP, gradient accumulation, AdamW and SGD, clipping on and off, the GPT with
+dropout and activation checkpointing that really recomputes (at least 4 blocks; every:K, sqrt,
+revolve), the MLP, and, where the world size allows, every pipeline schedule on a dp × pp mesh
+(with ZeRO-1 and checkpointing inside the stages). All in float64 with small models, 2 steps each.
+
+`draw_flags(world_size, choose)` takes the chooser as an argument: `verify --sweep` passes one
+backed by a seeded NumPy generator (the seed is printed; `--sweep-seed` replays a sweep), the
+property tests one backed by hypothesis (`draw(st.sampled_from(options))`), which shrinks a
+failure to a small configuration. Each configuration is a list of command-line flags, so a
+failure prints the one command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from refimpl.console import emit_json, log
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev")
+SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--steps", "2", "--dtype", "float64"]
+
+
+def _schedule_options(world_size: int) -> list:
+    """(schedule, pp, [valid micro-batch counts], stages) that build for a pp dividing world_size."""
+    from refimpl.parallel.pipeline import build  # noqa: PLC0415
+
+    options = []
+    for pp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
+        for name in SCHEDULES:
+            valid = []
+            for m in range(1, 2 * max(pp, 2) + 3):
+                try:
+                    valid.append((m, build(name, pp, m).num_stages))
+                except ValueError:
+                    pass
+            if valid:
+                options.append((name, pp, [m for m, _ in valid], valid[0][1]))
+    return options
+
+
+def draw_flags(world_size: int, choose) -> list:
+    """One configuration for `world_size` ranks, as verify flags; choose(name, options) picks one option."""
+    model = choose("model", ["gpt", "mlp"])
+    flags = ["--model", model, *SMALL,
+             "--optimizer", choose("optimizer", ["adamw", "sgd"]),
+             "--clip", choose("clip", [0.0, 0.05, 1.0]),
+             "--collectives", choose("collectives", ["mpi", "ring"])]
+    if choose("pipeline", [False, True]):
+        name, pp, micro_batches, stages = choose("schedule", _schedule_options(world_size))
+        m = choose("micro_batches", micro_batches)
+        layers_per_stage = choose("layers_per_stage", [1, 2])
+        n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer
+        dp = world_size // pp
+        flags += ["--schedule", name, "--pp", pp, "--micro-batches", m, "--n-layer", max(n_layer, 1),
+                  "--batch-size", dp * m * choose("examples_per_micro_batch", [1, 2]),
+                  "--zero", choose("zero", [0, 1])]
+        if name == "interleaved":
+            flags += ["--chunks", stages // pp]
+        if model == "gpt" and layers_per_stage > 1:  # recomputation inside a stage
+            flags += ["--checkpoint", choose("stage_checkpoint", ["none", "every:1", "sqrt"])]
+    else:
+        zero = choose("zero", [0, 1, 2, 3])
+        accum = choose("grad_accum", [1, 2, 3])
+        flags += ["--zero", zero, "--grad-accum", accum,
+                  "--batch-size", world_size * accum * choose("examples_per_micro_batch", [1, 2]),
+                  "--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
+        if zero == 0:
+            flags += ["--dp-mode", choose("dp_mode", ["bucketed", "naive"])]
+        if zero == 3:
+            flags += ["--prefetch", choose("prefetch", [0, 2000]), "--param-threshold", choose("param_threshold", [0, 20])]
+        checkpoint = choose("checkpoint", ["none", "sqrt", "every:2", "revolve:1", "revolve:2"]) if model == "gpt" else "none"
+        n_layer = choose("n_layer_checkpointed", [4, 5]) if checkpoint != "none" else choose("n_layer", [1, 2, 3])
+        flags += ["--n-layer", n_layer, "--checkpoint", checkpoint]
+    if model == "gpt":
+        flags += ["--dropout", choose("dropout", [0.0, 0.1]), "--seed", choose("seed", [0, 1, 2])]
+    return [str(f) for f in flags]
+
+
+def numpy_chooser(rng: np.random.Generator):
+    """choose(name, options) backed by a NumPy generator."""
+    return lambda name, options: options[int(rng.integers(len(options)))]
+
+
+def run_sweep(args) -> int:
+    """verify --sweep N: draw, verify and report each configuration; exit 1 if any fails."""
+    from refimpl.parallel.comm import get_world as world_of  # noqa: PLC0415
+    from refimpl.train import check_same_config, config_from_args  # noqa: PLC0415
+    from refimpl.verify import add_arguments, command_line, load_trainer_factory, verify_config  # noqa: PLC0415
+
+    if args.sweep <= 0:
+        raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
+    factory = load_trainer_factory(args.trainer) if args.trainer else None
+    world = world_of("mpi")
+    seed = args.sweep_seed if args.sweep_seed is not None else int(np.random.SeedSequence().entropy % 2 ** 32)
+    seed = world.bcast_object(seed)  # one sweep: every rank draws the same configurations
+    rng = np.random.default_rng(seed)
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    if world.rank == 0:
+        log(f"verify --sweep {args.sweep} on {world.size} process(es), seed {seed} (replay: --sweep-seed {seed})")
+    results = []
+    for i in range(args.sweep):
+        flags = draw_flags(world.size, numpy_chooser(rng))
+        cfg = config_from_args(parser.parse_args(flags))
+        cfg.check()
+        check_same_config(world, cfg)
+        result = verify_config(cfg, world, factory, quiet=True)
+        if world.rank == 0:
+            line = f"[{i + 1}/{args.sweep}] {'PASS' if result['ok'] else 'FAIL'} tolerance used " \
+                   f"{result['tolerance_used']:.2g}: {' '.join(flags)}"
+            log(line)
+            if not result["ok"]:
+                for problem in result["problems"][:5]:
+                    log(f"    {problem}")
+                log(f"    reproduce: {command_line(world.size, flags + (['--trainer', args.trainer] if args.trainer else []))}")
+            results.append({"flags": flags, "ok": result["ok"], "tolerance_used": result["tolerance_used"],
+                            "problems": result["problems"]})
+    ok = all(r["ok"] for r in results) if world.rank == 0 else True
+    ok = bool(world.bcast_object(ok))
+    if world.rank == 0:
+        failed = sum(not r["ok"] for r in results)
+        log(f"verify --sweep {'PASS' if ok else 'FAIL'}: {len(results) - failed} of {len(results)} configurations "
+            f"equal single-process training on {world.size} process(es) (seed {seed})")
+        if args.json:
+            emit_json({"ok": ok, "seed": seed, "world_size": world.size, "sweep": results})
+    return 0 if ok else 1
