@@ -14,7 +14,7 @@ pytestmark = pytest.mark.mpi
 
 def launch(error: str, n: int = 3, rank: int = 1):
     start = time.monotonic()
-    done = run_mpi(n, [FAIL, "--rank", rank, "--error", error], timeout=25)  # a hang raises TimeoutExpired
+    done = run_mpi(n, [FAIL, "--rank", rank, "--error", error], timeout=120)  # a hang raises TimeoutExpired
     return done, time.monotonic() - start
 
 

@@ -39,7 +39,7 @@ def test_collectives_one_process_without_mpi():
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_collectives_under_mpiexec(n):
     """Every collective, both implementations, against NumPy and the byte formulas (4 ranks oversubscribe 2 cores)."""
-    result = run_mpi_json(n, [COLLECTIVES], timeout=60)
+    result = run_mpi_json(n, [COLLECTIVES], timeout=300)
     assert_clean(result, n)
     assert result["comm"] == "MPIComm"
     assert result["cases"] >= 288
@@ -69,7 +69,7 @@ def test_drawn_collectives(n, drawn):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cases, f)
     try:
-        result = run_mpi_json(n, [COLLECTIVES, "--cases", f.name], timeout=60)
+        result = run_mpi_json(n, [COLLECTIVES, "--cases", f.name], timeout=300)
     finally:
         os.unlink(f.name)
     assert_clean(result, n)

@@ -4,7 +4,9 @@ installed: pip install -e '.[docs]') the site builds with --strict."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import os
 import re
 import runpy
 import shutil
@@ -23,8 +25,69 @@ HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.f
 def test_generated_parts_of_the_guides_are_up_to_date():
     if find_mpiexec() is None:
         pytest.skip("the pages show mpiexec runs (pip install mpich)")
-    pages = ["index.md", "tutorials.md", "cluster.md", "verify_your_algorithm.md"]
+    pages = ["index.md", "tutorials.md", "cluster.md", "verify_your_algorithm.md", "pipeline_parallel.md"]
     assert GENERATE["main"](["--check", "--only", *pages]) == 0, "run: python docs/generate.py"
+
+
+def test_the_pages_with_rounding_level_figures_do_not_depend_on_the_blas_thread_count():
+    """The pages that show verify runs, regenerated with another BLAS thread count, are unchanged.
+
+    Under mpiexec each rank defaults to max(1, cores // ranks) BLAS threads; a user's setting wins.
+    """
+    if find_mpiexec() is None:
+        pytest.skip("the pages show mpiexec runs (pip install mpich)")
+    threads = "1" if os.environ.get("OPENBLAS_NUM_THREADS") == "2" else "2"
+    env = clean_env({name: threads for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+    done = subprocess.run([sys.executable, "docs/generate.py", "--check", "--no-pictures", "--only",
+                           "verify_your_algorithm.md", "pipeline_parallel.md"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # about 15 s
+    assert done.returncode == 0, f"with {threads} BLAS thread(s): {done.stderr[-3000:]}"
+
+
+def test_rounding_level_figures_are_shown_as_a_bound():
+    bound = GENERATE["bound_rounding"]
+    line = "step 0: largest |diff| in gradients 8.3e-17 (lm_head.weight), in parameters 3.9e-16; loss 2.4"
+    assert bound(line, "1e-12") == ("step 0: largest |diff| in gradients < 1e-12, in parameters < 1e-12; loss 2.4", 2)
+    line = "largest |diff| in gradients 5.4e-02 (blocks.0.attn.proj.bias), in parameters 0.00e+00"
+    assert bound(line, "1e-12") == ("largest |diff| in gradients 5.4e-02 (blocks.0.attn.proj.bias), in parameters "
+                                    "< 1e-12", 1)
+    line = "step 0: ok, largest |diff| / tolerance 0.0002\nstep 1: FAIL, largest |diff| / tolerance 5.4e+07"
+    assert bound(line, "0.1", "/ tolerance ") == ("step 0: ok, largest |diff| / tolerance < 0.1\n"
+                                                   "step 1: FAIL, largest |diff| / tolerance 5.4e+07", 1)
+    assert GENERATE["parse_options"]('exit 1; rounding < 1e-12; rounding after "/ tolerance " < 0.1') == {
+        "code": 1, "rounding": [(None, "1e-12"), ("/ tolerance ", "0.1")]}
+    assert GENERATE["parse_options"](None) == {"code": 0}
+    with pytest.raises(ValueError, match="unknown option"):
+        GENERATE["parse_options"]("rounding 1e-12")
+
+
+def test_a_verify_block_shows_the_verdict_and_a_checked_bound(monkeypatch):
+    verify_block = GENERATE["verify_block"]
+    result = {"ok": True, "max_abs_diff": 5.9e-14, "tolerance_used": 0.04, "steps": 3, "world_size": 2}
+    monkeypatch.setitem(verify_block.__globals__, "run", lambda command, code: f"log\n{json.dumps(result)}\n")
+    command = "mpiexec -n 2 python -m refimpl verify --pp 2 --json"
+    body = verify_block(command, {"code": 0, "relation": "<", "bound": "1e-11"})
+    assert body.startswith(f"```console\n$ {command}\n```\n\n**PASS** on 2 processes, 3 steps")
+    assert "below 1e-11" in body and "5.9" not in body and "0.04" not in body
+    with pytest.raises(RuntimeError, match="breaks the page's bound"):
+        verify_block(command, {"code": 0, "relation": "<", "bound": "1e-14"})
+    with pytest.raises(ValueError, match="add --json"):
+        verify_block("python -m refimpl verify", {"code": 0})
+    result.update(ok=False, max_abs_diff=0.05)
+    assert "**FAIL**" in verify_block(command, {"code": 1, "relation": ">", "bound": "1e-6"})
+
+
+def test_no_generated_page_records_a_rounding_level_figure_or_a_timing():
+    """Figures that vary by machine (differences below 1e-12, seconds) are never generated."""
+    tiny = re.compile(r"\b\d\.\d+e-(1[2-9]|[2-9]\d)\b")
+    timing = re.compile(r"\b\d+(\.\d+)? ?(s|ms|seconds)\b")
+    for path in sorted((REPO / "docs").glob("*.md")):
+        for match in GENERATE["BLOCK"].finditer(path.read_text()):
+            if match.group("kind") == "file":
+                continue  # a source file, not output
+            body = match.group("body")
+            assert not tiny.search(body), f"{path.name}: {tiny.search(body).group(0)} in {match.group('arg')}"
+            assert not timing.search(body), f"{path.name}: {timing.search(body).group(0)} in {match.group('arg')}"
 
 
 def test_the_pictures_exist_and_the_readme_picture_is_one_of_them():
