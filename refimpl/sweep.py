@@ -73,7 +73,8 @@ def draw_flags(world_size: int, choose) -> list:
         if zero == 0:
             flags += ["--dp-mode", choose("dp_mode", ["bucketed", "naive"])]
         if zero == 3:
-            flags += ["--prefetch", choose("prefetch", [0, 2000]), "--param-threshold", choose("param_threshold", [0, 20])]
+            flags += ["--prefetch", choose("prefetch", ["0", "500", "1MB"]),
+                      "--param-threshold", choose("param_threshold", [0, 17])]
         checkpoint = choose("checkpoint", ["none", "sqrt", "every:2", "revolve:1", "revolve:2"]) if model == "gpt" else "none"
         n_layer = choose("n_layer_checkpointed", [4, 5]) if checkpoint != "none" else choose("n_layer", [1, 2, 3])
         flags += ["--n-layer", n_layer, "--checkpoint", checkpoint]
@@ -87,11 +88,26 @@ def numpy_chooser(rng: np.random.Generator):
     return lambda name, options: options[int(rng.integers(len(options)))]
 
 
+def verify_flags(world, flags: list, factory=None) -> dict:
+    """Verify one configuration given as verify flags (collective); the result as verify_config's."""
+    from refimpl.train import check_same_config, config_from_args  # noqa: PLC0415
+    from refimpl.verify import add_arguments, verify_config  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    args = parser.parse_args([str(f) for f in flags])
+    if args.steps is None:
+        args.steps = 2
+    cfg = config_from_args(args)
+    cfg.check()
+    check_same_config(world, cfg)
+    return verify_config(cfg, world, factory, args.rtol, args.atol, args.inject_overflow, quiet=True)
+
+
 def run_sweep(args) -> int:
     """verify --sweep N: draw, verify and report each configuration; exit 1 if any fails."""
     from refimpl.parallel.comm import get_world as world_of  # noqa: PLC0415
-    from refimpl.train import check_same_config, config_from_args  # noqa: PLC0415
-    from refimpl.verify import add_arguments, command_line, load_trainer_factory, verify_config  # noqa: PLC0415
+    from refimpl.verify import command_line, load_trainer_factory  # noqa: PLC0415
 
     if args.sweep <= 0:
         raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
@@ -100,17 +116,12 @@ def run_sweep(args) -> int:
     seed = args.sweep_seed if args.sweep_seed is not None else int(np.random.SeedSequence().entropy % 2 ** 32)
     seed = world.bcast_object(seed)  # one sweep: every rank draws the same configurations
     rng = np.random.default_rng(seed)
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
     if world.rank == 0:
         log(f"verify --sweep {args.sweep} on {world.size} process(es), seed {seed} (replay: --sweep-seed {seed})")
     results = []
     for i in range(args.sweep):
         flags = draw_flags(world.size, numpy_chooser(rng))
-        cfg = config_from_args(parser.parse_args(flags))
-        cfg.check()
-        check_same_config(world, cfg)
-        result = verify_config(cfg, world, factory, quiet=True)
+        result = verify_flags(world, flags, factory)
         if world.rank == 0:
             line = f"[{i + 1}/{args.sweep}] {'PASS' if result['ok'] else 'FAIL'} tolerance used " \
                    f"{result['tolerance_used']:.2g}: {' '.join(flags)}"

@@ -3,41 +3,10 @@
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from mpi_util import last_json, run_mpi, run_mpi_json
 
 pytestmark = pytest.mark.mpi
-
-
-@st.composite
-def dp_configs(draw):
-    world = draw(st.integers(1, 4))
-    model = draw(st.sampled_from(["mlp", "gpt"]))
-    accum = draw(st.integers(1, 3))
-    batch = world * accum * draw(st.integers(1, 3))
-    bucket = draw(st.sampled_from([64, 1000, 1 << 20]))
-    mode = draw(st.sampled_from(["bucketed", "naive"]))
-    collectives = draw(st.sampled_from(["mpi", "ring"]))
-    flags = ["--model", model, "--batch-size", batch, "--grad-accum", accum, "--bucket-bytes", bucket,
-             "--dp-mode", mode, "--collectives", collectives]
-    if model == "gpt":  # dropout masks and checkpoint recomputation must not depend on the split either
-        flags += ["--dropout", draw(st.sampled_from([0.0, 0.1])),
-                  "--checkpoint", draw(st.sampled_from(["none", "sqrt", "revolve:1"]))]
-    return world, flags
-
-
-@given(dp_configs())
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_verify_data_parallel_equals_single_process(example):
-    world, flags = example
-    small = ["--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "8"]
-    result = run_mpi_json(world, ["-m", "refimpl", "verify", "--dtype", "float64", "--steps", "2", *small, *flags,
-                                  "--json"], timeout=180)
-    assert result["ok"] is True and result["world_size"] == world and result["steps"] == 2
-    assert all(step["ok"] for step in result["per_step"]) and result["max_abs_diff"] < 1e-11
-    assert result["trainer"] == "DataParallelTrainer"
 
 
 @pytest.mark.parametrize("collectives", ["mpi", "ring"])

@@ -8,8 +8,6 @@ the launches are module fixtures shared by several tests.
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from mpi_util import PROGRAMS, last_json, run_mpi, run_mpi_json
 from refimpl.parallel.pipeline import build, step_messages
@@ -143,40 +141,6 @@ def test_point_to_point_traffic_is_exactly_the_schedules_messages(on_two, on_fou
             receives = _messages(schedule, world_rank % spec["pp"], 0) * spec["steps"]
             assert counts["send"] == {"calls": sends, "bytes": sends * message_bytes}, (spec, world_rank)
             assert counts["recv"]["calls"] == receives, (spec, world_rank)
-
-
-@st.composite
-def pipeline_configs(draw):
-    """A few random configurations for a 4-process launch."""
-    specs = []
-    for _ in range(4):
-        name = draw(st.sampled_from(SCHEDULES))
-        pp = draw(st.sampled_from([2, 4] if name != "dualpipe" else [2, 4]))
-        valid = [m for m in range(1, 3 * pp + 1) if _builds(name, pp, m)]
-        m = draw(st.sampled_from(valid))
-        stages = build(name, pp, m).num_stages
-        model = draw(st.sampled_from(["gpt", "mlp"]))
-        least = stages if model == "gpt" else stages - 1
-        specs.append(dict(schedule=name, pp=pp, m=m, model=model, n_layer=draw(st.integers(least, least + 2)),
-                          clip=draw(st.sampled_from([0.0, 0.05, 1.0])),
-                          optimizer=draw(st.sampled_from(["adamw", "sgd"])),
-                          collectives=draw(st.sampled_from(["mpi", "ring"])), steps=2))
-    return specs
-
-
-def _builds(name, pp, m):
-    try:
-        build(name, pp, m)
-        return True
-    except ValueError:
-        return False
-
-
-@given(pipeline_configs())
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_drawn_pipeline_configurations_equal_single_process_training(specs):
-    results = launch(4, specs)
-    assert not _failures(results)
 
 
 ERRORS = [

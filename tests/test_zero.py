@@ -23,8 +23,6 @@ Models: a GPT with Ψ = 702 (not a multiple of 4; units of 12 elements) and an M
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from mpi_util import PROGRAMS, run_local, run_local_json, run_mpi, run_mpi_json
 
@@ -190,33 +188,6 @@ def test_zero_stages_match_the_formulas_and_single_process_training(n, tmp_path)
     names = {case["name"] for case in cases}
     assert {f"gpt64_z{s}" for s in range(4)} <= names and result["cases"]["gpt64_z0"]["ranks"][0]["psi"] == 702
     assert result["cases"]["mlp64_z0"]["ranks"][0]["psi"] == 9
-
-
-@st.composite
-def verify_configs(draw):
-    world = draw(st.integers(1, 4))
-    stage = draw(st.integers(1, 3))
-    model = draw(st.sampled_from(["mlp", "gpt"]))
-    accum = draw(st.integers(1, 2))
-    flags = ["--zero", stage, "--model", model, "--batch-size", world * accum * draw(st.integers(1, 2)),
-             "--grad-accum", accum, "--bucket-bytes", draw(st.sampled_from([64, 1000, 1 << 20])),
-             "--collectives", draw(st.sampled_from(["mpi", "ring"])), "--dropout", draw(st.sampled_from(["0", "0.2"])),
-             "--optimizer", draw(st.sampled_from(["adamw", "sgd"])), "--clip", draw(st.sampled_from(["0", "0.05"]))]
-    if stage == 3:
-        flags += ["--prefetch", draw(st.sampled_from(["0", "500", "1MB"])),
-                  "--param-threshold", draw(st.sampled_from([0, 17]))]
-    return world, stage, flags
-
-
-@given(verify_configs())
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_verify_command_passes_for_every_stage(example):
-    world, stage, flags = example
-    small = ["--n-layer", "1", "--d-model", "8", "--n-head", "2", "--seq-len", "8", "--steps", "2"]
-    result = run_mpi_json(world, ["-m", "refimpl", "verify", "--dtype", "float64", *small, *flags, "--json"],
-                          timeout=180)
-    assert result["ok"] is True and result["world_size"] == world and result["zero_stage"] == stage
-    assert result["trainer"] == f"Stage{stage}Trainer"
 
 
 def test_train_json_reports_model_state_bytes_per_rank_and_budget_demo():
