@@ -341,7 +341,8 @@ def main(argv=None) -> int:
                 print(json.dumps({"ok": not failed, "checks": results, "failed": failed}))
             return 1 if failed else 0
 
-        check_imports_the_copy(_sanity_copy(files, workdir))
+        copy_tree(files, REPO, workdir / "pristine")
+        check_imports_the_copy(workdir / "pristine")
         total = time.perf_counter()
         outcomes = []
         for m in mutants:
@@ -368,11 +369,6 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
 
-
-def _sanity_copy(files: list[str], workdir: Path) -> Path:
-    tree = workdir / "_sanity"
-    copy_tree(files, REPO, tree)
-    return tree
 
 
 if __name__ == "__main__":
