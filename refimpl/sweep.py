@@ -44,14 +44,18 @@ def _schedule_options(world_size: int) -> list:
     return options
 
 
-def draw_flags(world_size: int, choose) -> list:
-    """One configuration for `world_size` ranks, as verify flags; choose(name, options) picks one option."""
+def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
+    """One configuration for `world_size` ranks, as verify flags; choose(name, options) picks one option.
+
+    pipeline=False draws only configurations that use the whole world as one data-parallel group
+    (verify --sweep --trainer: a trainer of your own gets those).
+    """
     model = choose("model", ["gpt", "mlp"])
     flags = ["--model", model, *SMALL,
              "--optimizer", choose("optimizer", ["adamw", "sgd"]),
              "--clip", choose("clip", [0.0, 0.05, 1.0]),
              "--collectives", choose("collectives", ["mpi", "ring"])]
-    if choose("pipeline", [False, True]):
+    if pipeline and choose("pipeline", [False, True]):
         name, pp, micro_batches, stages = choose("schedule", _schedule_options(world_size))
         m = choose("micro_batches", micro_batches)
         layers_per_stage = choose("layers_per_stage", [1, 2])
@@ -120,7 +124,7 @@ def run_sweep(args) -> int:
         log(f"verify --sweep {args.sweep} on {world.size} process(es), seed {seed} (replay: --sweep-seed {seed})")
     results = []
     for i in range(args.sweep):
-        flags = draw_flags(world.size, numpy_chooser(rng))
+        flags = draw_flags(world.size, numpy_chooser(rng), pipeline=factory is None)
         result = verify_flags(world, flags, factory)
         if world.rank == 0:
             line = f"[{i + 1}/{args.sweep}] {'PASS' if result['ok'] else 'FAIL'} tolerance used " \

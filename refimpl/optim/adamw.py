@@ -48,17 +48,18 @@ class AdamW(ArrayOptimizer):
             param *= 1 - self.lr * self.weight_decay
         param -= step_size * (m / denom)
 
-    def update_error_bound(self, grad_error, state_before: dict):
+    def update_error_bound(self, grad, grad_error, state_before: dict):
         """How far AdamW's step can move when g is off by at most δ (element-wise), from the same state.
 
         With a = (1−β₁)/(1−β₁ᵗ), b = (1−β₂)/(1−β₂ᵗ) and v̂₀ = β₂ v_before/(1−β₂ᵗ) (the part of v̂
-        that does not depend on this step's g), m̂ moves by at most a·δ and √v̂ by at most √b·δ, so
+        that does not depend on this step's g), m̂ moves by at most a·δ and √v̂ by at most √b·δ,
+        and √v̂ ≥ D − ε on both sides, D = √(v̂₀ + b·max(|g| − δ, 0)²) + ε. So
 
-            |Δθ| ≤ lr · min(2·Cₜ, (a + Cₜ·√b) · δ / (√v̂₀ + ε)),
+            |Δθ| ≤ lr · min(2·Cₜ, (a + Cₜ·√b) · δ / D),
 
-        where Cₜ = (a/√b)·√(Σ_{j<t} (β₁²/β₂)ʲ) bounds |m̂|/√v̂ (Cauchy–Schwarz over the history), so
-        one step moves θ by at most lr·Cₜ whatever g is. At t = 1, v̂₀ = 0: a gradient near zero may
-        change sign, and θ may differ by up to 2·lr.
+        where Cₜ = (a/√b)·√(Σ_{j<t} (β₁²/β₂)ʲ) bounds |m̂|/√v̂ (Cauchy–Schwarz over the history): one
+        step moves θ by at most lr·Cₜ whatever g is. A gradient within δ of zero may change sign
+        (at t = 1, where v̂₀ = 0, θ may then differ by up to 2·lr); a larger one moves θ by ≈ 2·lr·δ/|g|.
         """
         xp = backend.xp()
         b1, b2 = self.betas
@@ -66,5 +67,6 @@ class AdamW(ArrayOptimizer):
         a, b = (1 - b1) / (1 - b1 ** t), (1 - b2) / (1 - b2 ** t)
         ratio = b1 * b1 / b2
         c_t = (a / b ** 0.5) * ((1 - ratio ** t) / (1 - ratio)) ** 0.5
-        v0_hat = b2 * state_before["v"] / (1 - b2 ** t)
-        return self.lr * xp.minimum(2 * c_t, (a + c_t * b ** 0.5) * grad_error / (xp.sqrt(v0_hat) + self.eps))
+        smallest = xp.maximum(xp.abs(grad) - grad_error, 0)  # the least |g| either side can have
+        d = xp.sqrt(b2 * state_before["v"] / (1 - b2 ** t) + b * smallest * smallest) + self.eps
+        return self.lr * xp.minimum(2 * c_t, (a + c_t * b ** 0.5) * grad_error / d)

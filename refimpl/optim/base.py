@@ -19,9 +19,9 @@ class ArrayOptimizer:
     def update(self, param, grad, state: dict) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def update_error_bound(self, grad_error, state_before: dict):  # pragma: no cover - abstract
+    def update_error_bound(self, grad, grad_error, state_before: dict):  # pragma: no cover - abstract
         """Element-wise bound on how differently `update` moves a parameter, from `state_before`,
-        when the gradient is off by at most `grad_error` per element (verify --dtype mixed)."""
+        when the gradient `grad` is off by at most `grad_error` per element (verify --dtype mixed)."""
         raise NotImplementedError
 
     def step(self) -> None:

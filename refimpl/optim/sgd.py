@@ -38,6 +38,6 @@ class SGD(ArrayOptimizer):
             grad = buf
         param -= self.lr * grad
 
-    def update_error_bound(self, grad_error, state_before: dict):
+    def update_error_bound(self, grad, grad_error, state_before: dict):
         """θ moves by lr·(μ b + g + λθ): a gradient off by δ moves it by lr·δ more or less."""
         return self.lr * grad_error

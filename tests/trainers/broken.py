@@ -1,0 +1,41 @@
+"""Trainers with deliberate faults, for `verify --trainer tests/trainers/broken.py:FUNCTION` (tests/test_verify.py).
+
+nan_on_step_1      refimpl's data-parallel trainer, except that on rank 1 the gradient of the
+                   last parameter becomes NaN during step 1 (the all-reduce spreads it to every rank)
+no_step            lacks step(): not a trainer
+"""
+
+import numpy as np
+
+from refimpl.train import make_trainer
+
+
+def nan_on_step_1(cfg, model, world):
+    trainer = make_trainer(cfg, model, world, distributed=True)
+    step, steps = trainer.step, [0]
+
+    def counted_step(x, y):
+        loss = step(x, y)
+        steps[0] += 1
+        return loss
+
+    def poison(grad):
+        return grad * np.nan if steps[0] == 1 and world.rank == min(1, world.size - 1) else grad
+
+    model.parameters()[-1].register_hook(poison)
+    trainer.step = counted_step
+    return trainer
+
+
+class NoStep:
+    world_size, rank, record_grads, last_grads = 1, 0, False, {}
+
+    def full_parameters(self):
+        return {}
+
+    def report(self):
+        return {}
+
+
+def no_step(cfg, model, world):
+    return NoStep()
