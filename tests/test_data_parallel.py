@@ -47,7 +47,7 @@ def test_train_under_mpiexec_learns_and_reports_world_size():
 
 
 def test_a_batch_that_cannot_be_split_is_a_clear_error_on_every_rank():
-    done = run_mpi(3, ["-m", "refimpl", "train", "--model", "mlp", "--batch-size", "10", "--steps", "2"], timeout=60)
+    done = run_mpi(3, ["-m", "refimpl", "train", "--model", "mlp", "--batch-size", "10", "--steps", "2"], timeout=300)
     assert done.returncode != 0
     assert "cannot be split into 3 equal data-parallel ranks" in done.stderr
 
@@ -60,7 +60,7 @@ def test_mismatched_flags_between_ranks_are_a_clear_error(tmp_path):
         "from refimpl.cli import main\n"
         "rank = int(os.environ.get('PMI_RANK', '0'))\n"
         "sys.exit(main(['train', '--model', 'mlp', '--steps', '2', '--lr', str(0.01 * (rank + 1))]))\n")
-    done = run_mpi(2, [script], timeout=60)
+    done = run_mpi(2, [script], timeout=300)
     assert done.returncode != 0
     assert "ranks were launched with different flags: lr = [0.01, 0.02] (by rank)" in done.stderr
 
@@ -80,7 +80,7 @@ def test_verify_fails_loudly_when_the_distributed_run_is_wrong(tmp_path):
         "data_parallel.DataParallelTrainer.step = step\n"
         "from refimpl.cli import main\n"
         "sys.exit(main(['verify', '--model', 'mlp', '--dtype', 'float64', '--json']))\n")
-    done = run_mpi(2, [script], timeout=60)
+    done = run_mpi(2, [script], timeout=300)
     assert done.returncode == 1
     assert last_json(done)["ok"] is False and "verify FAIL" in done.stderr
     json.dumps(last_json(done))  # the summary is plain JSON
@@ -96,6 +96,6 @@ def test_bad_input_on_one_rank_only_ends_every_rank(tmp_path):
         "get_world()\n"
         "rank = int(os.environ.get('PMI_RANK', '0'))\n"
         "sys.exit(main(['train', '--model', 'mlp', '--steps', '0' if rank == 1 else '2']))\n")
-    done = run_mpi(2, [script], timeout=60)
+    done = run_mpi(2, [script], timeout=300)
     assert done.returncode != 0
     assert "[rank 1] error: --steps must be positive, got 0" in done.stderr

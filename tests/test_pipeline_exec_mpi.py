@@ -171,7 +171,7 @@ def test_impossible_combinations_fail_fast_with_the_same_clear_error_on_every_ra
 
 
 def test_cli_error_ends_every_rank_with_exit_status_2():
-    done = run_mpi(4, ["-m", "refimpl", "train", "--pp", "4", "--n-layer", "2", "--steps", "1"], timeout=60)
+    done = run_mpi(4, ["-m", "refimpl", "train", "--pp", "4", "--n-layer", "2", "--steps", "1"], timeout=300)
     assert done.returncode == 2
     assert "cannot be split into 4 pipeline stages" in done.stderr
 
@@ -238,6 +238,6 @@ def test_a_failure_inside_one_ranks_step_ends_the_whole_job_instead_of_hanging(t
         "from refimpl.cli import main\n"
         "sys.exit(main(['train', '--pp', '4', '--schedule', 'dualpipe', '--micro-batches', '8', '--n-layer', '4',\n"
         "               '--steps', '2', '--batch-size', '16']))\n")
-    done = run_mpi(4, [script], timeout=60)
+    done = run_mpi(4, [script], timeout=300)
     assert done.returncode != 0
     assert "[rank 2] RuntimeError: stage exploded on purpose" in done.stderr

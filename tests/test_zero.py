@@ -239,7 +239,7 @@ def test_memory_command_measures_the_ledger_beside_the_formula():
     assert rows[3]["peak"]["gathered_parameters"] > 0 and rows[0]["peak"]["gathered_parameters"] == 0
 
 
-def run_mpi_error(n: int, args, timeout: float = 60):
+def run_mpi_error(n: int, args, timeout: float = 300):
     """run_mpi for a command that must fail, launched again (up to twice) if no rank's message came back.
 
     The CLI aborts the whole job on the first rank's error (cli.py, MPI_Abort); on a loaded machine
