@@ -36,9 +36,18 @@ def pytest_report_header(config):
             f"(replay this run's draws: REFIMPL_HYPOTHESIS_SEED={RUN_SEED})")
 
 
+VERIFIED = []  # (world size, configurations) of each drawn verify launch (test_verify_drawn.py)
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The seed again at the end, where `pytest -q` shows it too."""
+    """The seed again at the end, where `pytest -q` shows it too, and how many configurations were verified."""
     terminalreporter.write_line(pytest_report_header(terminalreporter.config))
+    if VERIFIED:
+        by_world = {}
+        for world, count in VERIFIED:
+            by_world[world] = by_world.get(world, 0) + count
+        terminalreporter.write_line(f"verify: {sum(by_world.values())} drawn and pinned configurations equal single-process "
+                                    f"training (" + ", ".join(f"{n} at {w} rank(s)" for w, n in sorted(by_world.items())) + ")")
 
 
 def pytest_collection_modifyitems(config, items):

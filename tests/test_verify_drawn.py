@@ -24,7 +24,7 @@ Pinned examples (@example), the configurations that matter most:
 import json
 
 import pytest
-from conftest import launches
+from conftest import VERIFIED, launches
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -88,6 +88,7 @@ def verify_many(world: int, configs: list, tmp_path_factory) -> list:
         f"FAIL (tolerance used {r['tolerance_used']:.3g}): mpiexec -n {world} python -m refimpl verify "
         f"{' '.join(r['flags'])}\n    " + "\n    ".join(r["problems"][:3]) for r in failed)
     assert len(results) == len(configs)
+    VERIFIED.append((world, len(results)))
     return results
 
 

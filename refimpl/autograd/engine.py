@@ -65,6 +65,9 @@ class _LeafAccumulator:
 
     def add(self, leaf: Tensor, grad) -> None:
         key = id(leaf)
+        if self.remaining.get(key, 0) <= 0:  # counted before the pass: one contribution per use
+            raise RuntimeError(f"internal error in backward: a gradient contribution reached a leaf of shape "
+                               f"{tuple(leaf.shape)} that expected no more (its pending count would go negative)")
         if grad is not None:
             previous = self.partial.get(key)
             self.partial[key] = grad if previous is None else previous + grad

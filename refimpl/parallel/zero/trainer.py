@@ -207,7 +207,7 @@ class ZeroTrainer:
         """{"step", "arrays": {state key: {name: whole array}}, "loss_scaler"} (collective when sharded).
 
         verify --dtype mixed hands it to the single-process reference before each step, so that
-        each step is compared from the same state (verify.py, "lockstep").
+        each step is compared from the same state (compare_mixed.py, "lockstep").
         """
         keys = self.optimizer.state_arrays(0).keys() if self.groups else ()
         arrays = {key: self._gather_blocks([self.optimizer.state_arrays(g.index)[key] for g in self.groups])
