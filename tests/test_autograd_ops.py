@@ -1,5 +1,7 @@
 """Every op's backward against central finite differences (gradcheck), float64, hypothesis shapes."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -238,3 +240,67 @@ def test_causal_softmax_equals_its_composition():
     composed = F.softmax((x * 0.5).masked_fill(mask, -np.inf))
     np.testing.assert_allclose(fused.data, composed.data, rtol=1e-14, atol=0)
     assert gradcheck(lambda z: F.causal_softmax(z, mask, 0.5), [x])
+
+
+# -- every op with an axis argument, along every axis it supports ------------------------------
+# A backward that ignores its axis (sums over −1 whatever it was given) is right along the axis the
+# models use and wrong elsewhere; the lengths 2, 3, 4 make every axis distinguishable.
+CUBE = (2, 3, 4)
+AXES = list(range(-len(CUBE), len(CUBE)))  # −3 … 2
+AXIS_SETS = [None] + [axes for r in (1, 2, 3) for axes in itertools.combinations(range(3), r)]
+
+
+@pytest.mark.parametrize("axis", AXES)
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_family_along_every_axis(name, axis):
+    fn = F.softmax if name == "softmax" else F.log_softmax
+    assert gradcheck(lambda x: fn(x, axis), [tensor(CUBE, 30 + axis)])
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("axis", AXES + AXIS_SETS)
+@pytest.mark.parametrize("name", ["sum", "mean", "max"])
+def test_reductions_along_every_axis_and_set_of_axes(name, axis, keepdims):
+    a = tensor(CUBE, 40)
+    assert gradcheck(lambda x: getattr(x, name)(axis, keepdims), [a])
+
+
+@pytest.mark.parametrize("axis", AXES)
+def test_concatenate_and_split_along_every_axis(axis):
+    other = list(CUBE)
+    other[axis] = 1
+    a, b = tensor(CUBE, 50), tensor(tuple(other), 51)
+    assert gradcheck(lambda x, y: ops.concatenate([x, y], axis=axis), [a, b])
+    weighted = lambda x: ops.concatenate([p * (i + 1.0) for i, p in enumerate(x.split([1], axis=axis))],  # noqa: E731
+                                         axis=axis)
+    assert gradcheck(weighted, [a])
+    n = CUBE[axis]
+    assert gradcheck(lambda x: ops.stack(x.split(n, axis=axis), axis=0) * np.arange(1.0, n + 1).reshape(
+        (n,) + (1,) * len(CUBE)), [a])
+
+
+@pytest.mark.parametrize("axis", list(range(-len(CUBE) - 1, len(CUBE) + 1)))  # a new axis: −4 … 3
+def test_stack_along_every_axis(axis):
+    a, b = tensor(CUBE, 60), tensor(CUBE, 61)
+    assert gradcheck(lambda x, y: ops.stack([x, y], axis=axis), [a, b])
+
+
+@pytest.mark.parametrize("axes", list(itertools.permutations(range(3))) + [(-1, 0, -2)])
+def test_transpose_along_every_permutation(axes):
+    assert gradcheck(lambda x: x.transpose(axes), [tensor(CUBE, 70)])
+
+
+def test_engine_refuses_a_contribution_a_leaf_does_not_expect():
+    """Each leaf's contributions are counted before the pass; one more is an internal error, not a
+    silently dropped gradient (a weight gradient computed in both halves of a split backward)."""
+    from refimpl.autograd.engine import _LeafAccumulator
+
+    w = Parameter(np.ones(3))
+    leaves = _LeafAccumulator({id(w): 1}, None)
+    leaves.add(w, np.ones(3))
+    assert np.array_equal(w.grad, np.ones(3))
+    with pytest.raises(RuntimeError, match="expected no more"):
+        leaves.add(w, np.ones(3))
+    with pytest.raises(RuntimeError, match="expected no more"):
+        _LeafAccumulator({}, None).add(Parameter(np.ones(2)), None)
+    assert np.array_equal(w.grad, np.ones(3))

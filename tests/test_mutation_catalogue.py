@@ -22,7 +22,7 @@ spec.loader.exec_module(mutation)
 
 REQUIRED_AREAS = {"ring collectives", "DDP buckets", "DDP accumulation", "ZeRO-1", "ZeRO-2", "ZeRO-3",
                   "mixed precision", "checkpoint replay", "pipeline executor", "DualPipe gradient sum",
-                  "schedule generators", "autograd backward"}
+                  "schedule generators", "autograd backward", "optimizer"}
 # Files the catalogue may mutate: the algorithms, not the checks that judge them.
 ALGORITHMS = ("refimpl/parallel/ring.py", "refimpl/parallel/data_parallel.py", "refimpl/parallel/zero/",
               "refimpl/parallel/pipeline/", "refimpl/checkpointing/", "refimpl/autograd/", "refimpl/nn/",
@@ -59,10 +59,13 @@ def test_the_catalogue_covers_every_area_with_at_least_20_mutants(catalogue):
     assert numbers == list(range(1, len(mutants) + 1)), "mutants are numbered 01, 02, ... in manifest order"
     used = {c for m in mutants for c in m.checks}
     assert used == set(checks), f"checks defined but never used: {set(checks) - used}"
-    # verify is blind to a wrong backward formula (both sides use it): gradcheck must be there
+    # verify is blind to a wrong backward or optimizer formula (both sides use it): gradcheck, or the
+    # comparison with the published optimizer formulas, must be there
     for m in mutants:
         if m.area == "autograd backward":
             assert m.checks[-1] == "test_gradcheck", m.name
+        if m.area == "optimizer":
+            assert m.checks[-1] == "test_optim", m.name
 
 
 def test_every_patch_says_what_why_and_what_catches_it(catalogue):
