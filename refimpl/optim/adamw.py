@@ -13,6 +13,8 @@ steps only its shard of the master weights with the same code (optimizer state K
 
 from __future__ import annotations
 
+import math
+
 from refimpl import backend
 
 from .base import ArrayOptimizer
@@ -57,7 +59,7 @@ class AdamW(ArrayOptimizer):
 
             |Δθ| ≤ lr · min(2·Cₜ, (a + Cₜ·√b) · δ / D),
 
-        where Cₜ = (a/√b)·√(Σ_{j<t} (β₁²/β₂)ʲ) bounds |m̂|/√v̂ (Cauchy–Schwarz over the history): one
+        where Cₜ = (a/√b)·√(Σ_{j<t} (β₁²/β₂)ʲ) (infinite for β₂ = 0 after the first step) bounds |m̂|/√v̂ (Cauchy–Schwarz over the history): one
         step moves θ by at most lr·Cₜ whatever g is. A gradient within δ of zero may change sign
         (at t = 1, where v̂₀ = 0, θ may then differ by up to 2·lr); a larger one moves θ by ≈ 2·lr·δ/|g|.
         """
@@ -65,8 +67,25 @@ class AdamW(ArrayOptimizer):
         b1, b2 = self.betas
         t = state_before["step"] + 1
         a, b = (1 - b1) / (1 - b1 ** t), (1 - b2) / (1 - b2 ** t)
-        ratio = b1 * b1 / b2
-        c_t = (a / b ** 0.5) * ((1 - ratio ** t) / (1 - ratio)) ** 0.5
+        c_t = (a / b ** 0.5) * _geometric_sum(b1 * b1, b2, t) ** 0.5
         smallest = xp.maximum(xp.abs(grad) - grad_error, 0)  # the least |g| either side can have
         d = xp.sqrt(b2 * state_before["v"] / (1 - b2 ** t) + b * smallest * smallest) + self.eps
+        if c_t == float("inf"):  # β₂ = 0: |m̂|/√v̂ has no bound, nor has the step, wherever g may move
+            return xp.where(grad_error > 0, xp.inf, 0.0)
         return self.lr * xp.minimum(2 * c_t, (a + c_t * b ** 0.5) * grad_error / d)
+
+
+def _geometric_sum(numerator: float, denominator: float, t: int) -> float:
+    """Σ_{j<t} rʲ for r = numerator/denominator ≥ 0, as expm1(t·ln r)/expm1(ln r): exact to rounding
+    near r = 1 (where it tends to t), inf when it overflows or r = ∞ (β₂ = 0) and t > 1."""
+    if t == 1 or numerator == 0:
+        return 1.0
+    if denominator == 0:
+        return float("inf")
+    log_ratio = math.log(numerator) - math.log(denominator)
+    if log_ratio == 0:
+        return float(t)
+    try:
+        return math.expm1(t * log_ratio) / math.expm1(log_ratio)
+    except OverflowError:
+        return float("inf")
