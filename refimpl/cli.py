@@ -1,4 +1,4 @@
-"""Command line: `python -m refimpl {train, verify, schedule, memory} ...`.
+"""Command line: `python -m refimpl {train, verify, schedule, memory, consolidate} ...`.
 
 Each command lives in its own module, which provides `add_arguments(parser)` and
 `run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
@@ -46,7 +46,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="python -m refimpl", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m refimpl")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         try:
@@ -59,7 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command_parser)
         command_parser.set_defaults(_run=module.run)
+    parser.description = description(sub.choices)
     return parser
+
+
+def description(commands) -> str:
+    """The help's description line, from the commands that are there: it cannot forget one."""
+    return f"Commands: {', '.join(commands)}."
 
 
 def main(argv: list[str] | None = None) -> int:
