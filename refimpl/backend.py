@@ -12,7 +12,7 @@ of importing numpy in a hot path, so the GPU backend is a switch, not a fork.
 Nothing imports cupy unless it is asked for, and asking for it where it cannot run is an error
 that says why (never a silent fallback to NumPy); `cupy_unavailable()` gives that reason without
 raising (the GPU tests skip on it). Under mpiexec each rank takes one GPU of its node
-(`use_local_gpu`, called when the MPI world is created).
+(`use_local_gpu`, with the node-local rank recorded when the MPI world is created).
 
 The few operations that NumPy and CuPy spell differently, or that cross between host and device
 memory, have one helper each here, so the rest of the code reads the same on both:
@@ -44,6 +44,7 @@ INSTALL_CUPY = ("pip install 'refimpl[cuda]' (cupy-cuda12x, for CUDA 12) or "
 
 _active_name: str | None = None
 _active_module = None
+_local_rank: int | None = None  # rank among the ranks of this node, once an MPI world exists
 
 
 class BackendError(RuntimeError):
@@ -57,6 +58,17 @@ def set_backend(name: str) -> None:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     module = np if name == "numpy" else _load_cupy()
     _active_name, _active_module = name, module
+    if name == "cupy" and _local_rank is not None:
+        use_local_gpu(_local_rank)
+
+
+def set_local_rank(local_rank: int) -> None:
+    """This process's rank among the ranks of its node (comm.py, when it creates the MPI world):
+    the CuPy backend, now or when it is chosen later, uses GPU (local_rank mod the GPUs visible)."""
+    global _local_rank
+    _local_rank = local_rank
+    if _active_name == "cupy":
+        use_local_gpu(local_rank)
 
 
 def add_argument(parser) -> None:
@@ -85,8 +97,9 @@ def _load_cupy():
 def use_local_gpu(local_rank: int) -> int | None:
     """On the CuPy backend, make GPU (local_rank mod the GPUs visible) current; return its number.
 
-    comm.py calls it when it creates the MPI world, so that the ranks on a node spread over its
-    GPUs (a launcher that gives each rank one GPU through CUDA_VISIBLE_DEVICES leaves GPU 0).
+    Called with the node-local rank that comm.py records when it creates the MPI world, so that the
+    ranks on a node spread over its GPUs (a launcher that gives each rank one GPU through
+    CUDA_VISIBLE_DEVICES leaves GPU 0).
     """
     if name() != "cupy":
         return None

@@ -14,6 +14,9 @@ import os
 import sys
 
 from refimpl.backend import BackendError, set_backend
+from refimpl.backend import name as backend_name
+from refimpl.parallel import failure, watchdog
+from refimpl.parallel.comm import RANK_VARIABLES  # set by mpiexec (importing comm imports no MPI)
 
 COMMANDS = {
     "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
@@ -28,21 +31,26 @@ class UsageError(ValueError):
     """Bad input from the user: reported as one line, exit status 2."""
 
 
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")  # set by mpiexec
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, except that under mpiexec only rank 0 prints usage, help and argument errors.
+    """argparse, except that under mpiexec only rank 0 prints usage and help, and, once the MPI
+    world of several ranks exists (`raise_errors`), a bad argument raises UsageError instead of
+    exiting: the ranks then compare their problems before they stop (see `main`)."""
 
-    Every rank parses the same command line, so every rank fails (exit status 2) or prints help
-    alike; one copy of the message is enough. No MPI is involved: the rank is read from the
-    launcher's environment, before any communicator exists.
-    """
+    raise_errors = False
 
     def _print_message(self, message, file=None):
         rank = next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), "0")
         if rank == "0":
             super()._print_message(message, file)
+
+    def error(self, message):
+        if not self.raise_errors:
+            super().error(message)  # usage and "prog: error: message" on stderr, exit status 2
+        error = UsageError(f"{self.prog}: {message}")
+        error.usage = self.format_usage()
+        raise error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command_parser)
-        command_parser.set_defaults(_run=module.run)
+        command_parser.add_argument(
+            "--timeout", type=float, default=watchdog.DEFAULT_TIMEOUT_S, metavar="SECONDS",
+            help="under mpiexec: abort the job, naming the ranks that did not arrive, when a rank has "
+                 f"waited this long and no rank made progress (default {watchdog.DEFAULT_TIMEOUT_S:g}; 0: never)")
+        command_parser.set_defaults(_run=module.run, _check=getattr(module, "check", None))
     parser.description = description(sub.choices)
     return parser
 
@@ -68,23 +80,93 @@ def description(commands) -> str:
     return f"Commands: {', '.join(commands)}."
 
 
+STARTUP_ERRORS = (UsageError, ValueError, FileNotFoundError, BackendError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Parse, check and run one command; its exit status.
+
+    Under an MPI launcher the world is joined first, before any argument or environment is looked
+    at, so that a problem on some ranks only (a bad flag in an MPMD launch, CuPy missing on one
+    node) cannot leave the others waiting: the ranks exchange their startup problems, print each
+    distinct one once with the ranks that had it, and exit 2 together. After startup, an error on
+    one rank aborts the job (failure.py), a hang is ended by the watchdog (watchdog.py), and a rank
+    that leaves early (sys.exit included) aborts the job too; every rank ends with one barrier.
+    """
+    world = _join_world()
+    many = world is not None and world.size > 1
+    Parser.raise_errors = many
+    args, problem, usage, help_shown = None, None, None, False
     try:
-        if getattr(args, "backend", None) is not None:  # --backend, for every command that has it
-            set_backend(args.backend)
-        return int(args._run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError, BackendError) as exc:
-        from refimpl.parallel.comm import existing_world  # noqa: PLC0415 - never creates a world
+        args = build_parser().parse_args(argv)
+        _start(args)
+    except SystemExit as exc:  # --help (every rank), or an exit during startup
+        if not many:
+            raise
+        help_shown = exc.code in (0, None)
+        problem = None if help_shown else f"exited with status {exc.code} during startup"
+    except STARTUP_ERRORS as exc:
+        if not many:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        problem, usage = str(exc), getattr(exc, "usage", None)
+    if many:
+        code = _agree_on_startup(world, problem, usage, help_shown)
+        if code is not None:
+            return code
+    try:
+        code = int(args._run(args) or 0)
+    except SystemExit as exc:
+        if many:  # the others would wait for this rank in their next collective
+            world.abort(1, f"left the run early (SystemExit: {exc.code!r}); the job is aborted")
+        raise
+    except STARTUP_ERRORS as exc:
         from refimpl.parallel.failure import AgreedError  # noqa: PLC0415
 
-        world = existing_world()
         if isinstance(exc, AgreedError):  # every rank raised it together: one message, nobody waits
-            if world is None or world.rank == 0:
-                print(f"error: {exc}", file=sys.stderr)
+            if not many or world.rank == 0:
+                for line in str(exc).splitlines():
+                    print(f"error: {line}", file=sys.stderr)
             return 2
-        if world is not None and world.size > 1:
+        if many:
             world.abort(2, f"error: {exc}")  # a rank that stops alone would leave the others waiting
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if many:
+        world.barrier(label="the end of the run")  # a rank that ended early waits here, named by the watchdog
+    return code
+
+
+def _join_world():
+    """The MPI world when launched by mpiexec (created now, before anything can fail), else None."""
+    from refimpl.parallel.comm import get_world, under_mpiexec  # noqa: PLC0415 - imports no MPI by itself
+
+    return get_world() if under_mpiexec() else None
+
+
+def _start(args) -> None:
+    """Checks of the environment and the flags that every rank makes before the command runs."""
+    if hasattr(args, "backend"):  # a command that computes on arrays: --backend, or $REFIMPL_BACKEND
+        if args.backend is not None:
+            set_backend(args.backend)
+        backend_name()
+    watchdog.check_timeout(args.timeout)
+    if watchdog.active() is not None:
+        watchdog.active().set_timeout(args.timeout)
+    if args._check is not None:
+        args._check(args)
+
+
+def _agree_on_startup(world, problem, usage, help_shown) -> int | None:
+    """Collective: exit status 2 on every rank if any rank had a startup problem (rank 0 prints
+    each distinct one once, with the ranks that had it), 0 if help was shown, None to go on."""
+    found = world.allgather_object((problem, usage, help_shown))
+    if any(p for p, _, _ in found):
+        if world.rank == 0:
+            first_usage = next((u for p, u, _ in found if u), None)
+            if first_usage:
+                print(first_usage, end="", file=sys.stderr)
+            for line in failure.problems_by_rank([p for p, _, _ in found]).splitlines():
+                print(f"error: {line}", file=sys.stderr)
+        return 2
+    return 0 if any(h for _, _, h in found) else None

@@ -50,6 +50,7 @@ from refimpl import backend
 from refimpl.compare import TOLERANCES, Comparison, compare_step
 from refimpl.compare_mixed import compare_mixed_step, mixed_tolerance, partial_gradient_magnitudes, state_by_name
 from refimpl.console import emit_json, log
+from refimpl.parallel import watchdog
 from refimpl.train import LocalTrainer, add_arguments as add_train_arguments, build_model, build_optimizer, \
     build_task, check_same_config, config_from_args, get_world, make_trainer
 
@@ -192,6 +193,7 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
             skipped_before = _skipped(reference)
             hook = _inject_inf(model) if step == inject_overflow else None
             ref_loss = reference.step(x, y)
+            watchdog.progress()  # the other ranks wait meanwhile: this rank is alive
             if hook is not None:
                 hook.remove()
             ref = {"loss": ref_loss, "grads": reference.last_grads, "params": reference.full_parameters(),
@@ -224,6 +226,18 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
 
 
 # -- the command ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    """The checks every rank makes at startup, before any communication (cli.main)."""
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS
+    if args.sweep is not None and args.sweep <= 0:
+        raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
+    if args.trainer:
+        load_trainer_factory(args.trainer)
+    if args.sweep is None:
+        config_from_args(args).check()
+
 
 def run(args) -> int:
     if args.steps is None:

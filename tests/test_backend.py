@@ -194,6 +194,7 @@ HOST_BY_DESIGN = {
     "parallel/comm.py": ({"add", "maximum", "minimum", "array", "cumsum", "empty", "frombuffer", "zeros"},
                          "reduction names (run by the buffer's own module), pickled objects and MPI counts"),
     "parallel/ring.py": ({"cumsum", "full", "zeros"}, "block counts and offsets are host integers"),
+    "parallel/watchdog.py": ({"empty", "frombuffer", "uint8"}, "the watchdog's status messages are host bytes"),
     "parallel/zero/flat.py": ({"concatenate", "cumsum", "prod"}, "layout arithmetic on shapes"),
     "parallel/zero/checkpoint.py": ({"array", "load", "prod", "savez", "zeros"}, "checkpoint files hold host copies"),
     "parallel/pipeline/timeline.py": ({"array", "zeros"}, "timing figures live on the host"),

@@ -51,7 +51,7 @@ def test_explicit_abort_with_message():
     assert our_lines(done.stderr) == ["[rank 1] error: --steps differs between ranks"]
 
 
-def test_agree_raises_the_first_problem_on_every_rank_and_names_the_ranks_that_had_one():
+def test_agree_raises_every_distinct_problem_on_every_rank_and_names_the_ranks_that_had_it():
     from refimpl.parallel.failure import AgreedError, agree  # noqa: PLC0415
 
     class Gathered:  # what allgather_object returns on every rank
@@ -62,8 +62,8 @@ def test_agree_raises_the_first_problem_on_every_rank_and_names_the_ranks_that_h
             return self.problems
 
     agree(Gathered([None, None, None]), None)  # nobody had one: every rank goes on
-    with pytest.raises(AgreedError, match=r"^shard 2 is corrupt \(on ranks 1, 2\)$"):
-        agree(Gathered([None, "shard 2 is corrupt", "shard 2 is corrupt too"]), None)
+    with pytest.raises(AgreedError, match=r"^shard 2 is corrupt \(on ranks 1, 3\)\nshard 5 is missing \(on rank 2\)$"):
+        agree(Gathered([None, "shard 2 is corrupt", "shard 5 is missing", "shard 2 is corrupt"]), None)
     with pytest.raises(AgreedError, match=r"^bad directory$"):  # every rank had it: no list of ranks
         agree(Gathered(["bad directory", "bad directory"]), "bad directory")
     assert issubclass(AgreedError, ValueError)  # bad input: exit status 2

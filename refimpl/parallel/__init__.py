@@ -7,6 +7,8 @@
                 point-to-point messages, selectable with collectives="ring"
     mesh.py     ranks laid out as a dp x pp grid, with one sub-communicator per axis
     failure.py  a failure on any rank aborts every rank with "[rank R] ErrorType: message"
+    watchdog.py a hang (a stopped rank, a loop, mismatched collectives) aborts the job after
+                --timeout seconds without progress, naming the ranks that did not arrive
     threads.py  one BLAS/OpenMP thread budget per machine: max(1, cores // ranks on the node)
 
 Importing this package imports nothing from MPI; see comm.get_world().

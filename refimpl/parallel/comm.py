@@ -73,7 +73,10 @@ logical buffer either way. `transfer_report()` says which route this run takes (
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
+import faulthandler
 import itertools
 import os
 import pickle
@@ -84,7 +87,7 @@ from collections import deque
 import numpy as np
 
 from refimpl import backend
-from refimpl.parallel import failure, ring, staging, threads
+from refimpl.parallel import failure, ring, staging, threads, watchdog
 
 COLLECTIVES = ("mpi", "ring")
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -96,6 +99,9 @@ LAUNCHER_VARIABLES = (
     "MPI_LOCALNRANKS",  # MPICH (hydra)
     "MV2_COMM_WORLD_SIZE",  # MVAPICH
 )
+_NOT_WATCHED = contextlib.nullcontext()  # the context of a call the watchdog need not know about
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")  # this rank
+INIT_TIMEOUT_S = 60.0  # default of REFIMPL_INIT_TIMEOUT: how long MPI_Init may wait for the others
 ABORT_GRACE_S = 0.25  # seconds between printing an abort's message and killing the job
 MAX_TAG = 32767  # the largest tag every MPI library must accept
 
@@ -160,8 +166,9 @@ class Request:
     communicator (one step for an MPI built-in, N - 1 or 2(N - 1) steps for a ring collective).
     """
 
-    def __init__(self, comm: "Comm", steps, result=None):
+    def __init__(self, comm: "Comm", steps, result=None, kind: str = "wait"):
         self._comm = comm
+        self.kind = kind  # what a wait on it waits for, as the watchdog reports it
         self._steps = iter(steps)
         self._pending = None
         self.done = False
@@ -183,7 +190,7 @@ class Request:
     def wait(self):
         """Block until complete; returns `result` (the output buffer, or None)."""
         while not self.done:
-            self._comm._wait_all(self._pending)
+            self._comm._wait_all(self._pending, self.kind)
             self._advance()
         return self.result
 
@@ -296,7 +303,7 @@ class Comm:
         raw = start(*args, blocking)
         if blocking:
             return None
-        return Request(self, [] if raw is None else [[raw]], result)
+        return Request(self, [] if raw is None else [[raw]], result, f"wait for {kind}")
 
     def _ring(self, kind: str, algorithm, args, blocking: bool, result):
         """Run a ring algorithm; its bytes are counted message by message."""
@@ -304,9 +311,9 @@ class Comm:
         link = _RingLink(self, kind, next(self._tags) % (MAX_TAG + 1), backend.array_module(args[0]))
         steps = algorithm(link, *args)
         if blocking:
-            ring.run(steps, self._wait_all)
+            ring.run(steps, lambda handles: self._wait_all(handles, f"ring {kind}"))
             return None
-        return Request(self, steps, result)
+        return Request(self, steps, result, f"wait for ring {kind}")
 
     # -- collectives --------------------------------------------------------------------------------
 
@@ -400,15 +407,15 @@ class Comm:
             return self._ring("bcast", ring.bcast, (flat, root), blocking, buf)
         return self._builtin("bcast", flat, self._mpi_bcast, (flat, root), blocking, buf, root)
 
-    def barrier(self) -> None:
-        """Wait until every rank has reached this call."""
+    def barrier(self, label: str = "barrier") -> None:
+        """Wait until every rank has reached this call (`label`: what the watchdog calls the wait)."""
         self.counters.record("barrier")
-        self._mpi_barrier(True)
+        self._mpi_barrier(True, label)
 
     def ibarrier(self) -> Request:
         self.counters.record("barrier")
         raw = self._mpi_barrier(False)
-        return Request(self, [] if raw is None else [[raw]])
+        return Request(self, [] if raw is None else [[raw]], None, "wait for ibarrier")
 
     def allreduce_value(self, value: float, op: str = "sum") -> float:
         """A Python number reduced over all ranks (a one-element float64 allreduce)."""
@@ -435,12 +442,12 @@ class Comm:
     def isend(self, buf, dest: int, tag: int = 0) -> Request:
         flat = self._p2p(buf, dest, tag, "dest", writable=False)
         self.counters.record("send", flat.nbytes)
-        return Request(self, [[self._post_send(flat, dest, tag)]], buf)
+        return Request(self, [[self._post_send(flat, dest, tag)]], buf, f"wait for isend to rank {dest}")
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
         flat = self._p2p(buf, source, tag, "source", writable=True)
         self.counters.record("recv")
-        return Request(self, [[self._post_recv(flat, source, tag)]], buf)
+        return Request(self, [[self._post_recv(flat, source, tag)]], buf, f"wait for irecv from rank {source}")
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int | None = None):
         """Send to dest and receive from source at once (no deadlock in a shift); returns recvbuf."""
@@ -448,7 +455,8 @@ class Comm:
         recvtag = sendtag if recvtag is None else recvtag
         recv = self._p2p(recvbuf, source, recvtag, "source", writable=True)
         self.counters.record("sendrecv", send.nbytes)
-        self._wait_all([self._post_recv(recv, source, recvtag), self._post_send(send, dest, sendtag)])
+        self._wait_all([self._post_recv(recv, source, recvtag), self._post_send(send, dest, sendtag)],
+                       f"sendrecv with ranks {dest} and {source}")
         return recvbuf
 
     def _p2p(self, buf, peer, tag, name, writable):
@@ -495,7 +503,7 @@ class Comm:
     #     run MPI's built-in; return None when blocking, else one low-level handle (or None: done)
     # _post_send / _post_recv(flat, peer, tag, internal=False): start a message, return a handle
     # _send / _recv(flat, peer, tag): blocking point-to-point
-    # _test_all(handles) -> bool, _wait_all(handles)
+    # _test_all(handles) -> bool, _wait_all(handles, what="wait")
     # _allgather_bytes(payload) -> list[bytes], _bcast_bytes(payload, root) -> bytes
     # split(color, key=None) -> Comm | None, abort(code, message), world_rank, node_size()
 
@@ -517,14 +525,23 @@ class MPIComm(Comm):
     """
 
     def __init__(self, mpi_comm, MPI, collectives: str = "mpi", counters: Counters | None = None,
-                 staging_rule: staging.StagingRule | None = None):
+                 staging_rule: staging.StagingRule | None = None, watch: "watchdog.Watchdog | None" = None):
         super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size(), collectives, counters or Counters())
         self._MPI = MPI
         self._comm = mpi_comm
-        self._ring_comm = mpi_comm.Dup()  # ring messages never match the user's point-to-point
+        self._watch = watch  # every blocking call below runs inside self._waits(kind)
+        with self._waits("communicator creation"):
+            self._ring_comm = mpi_comm.Dup()  # ring messages never match the user's point-to-point
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self.world_rank = MPI.COMM_WORLD.Get_rank()
+        # this communicator's ranks as world ranks, for the watchdog's reports
+        self.world_ranks = tuple(MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(self.size)),
+                                                           MPI.COMM_WORLD.Get_group()))
         self.staging_rule = staging_rule or staging.StagingRule.from_environment(MPI)
+
+    def _waits(self, kind: str, peer: int | None = None):
+        """The context of a blocking MPI call: the watchdog knows what this rank waits for."""
+        return _NOT_WATCHED if self._watch is None else self._watch.waiting(self, kind, peer)
 
     def transfer_report(self) -> dict:
         return self.staging_rule.report()
@@ -536,17 +553,20 @@ class MPIComm(Comm):
     def _mpi_allreduce(self, flat, op, blocking):
         copies = self._copies()
         call = self._comm.Allreduce if blocking else self._comm.Iallreduce
-        return staging.issued(call(self._MPI.IN_PLACE, copies.write(flat), self._ops[op]), copies, blocking)
+        with self._waits("allreduce") if blocking else _NOT_WATCHED:
+            return staging.issued(call(self._MPI.IN_PLACE, copies.write(flat), self._ops[op]), copies, blocking)
 
     def _mpi_reduce_scatter(self, send, recv, op, blocking):
         copies = self._copies()
         source, target = copies.read(send), copies.write(recv)
         if send.size % self.size == 0:  # equal blocks
             call = self._comm.Reduce_scatter_block if blocking else self._comm.Ireduce_scatter_block
-            return staging.issued(call(source, target, self._ops[op]), copies, blocking)
+            with self._waits("reduce_scatter") if blocking else _NOT_WATCHED:
+                return staging.issued(call(source, target, self._ops[op]), copies, blocking)
         call = self._comm.Reduce_scatter if blocking else self._comm.Ireduce_scatter
         counts = ring.block_counts(send.size, self.size).tolist()
-        return staging.issued(call(source, target, counts, self._ops[op]), copies, blocking)
+        with self._waits("reduce_scatter") if blocking else _NOT_WATCHED:
+            return staging.issued(call(source, target, counts, self._ops[op]), copies, blocking)
 
     def _mpi_allgather(self, send, recv, blocking):
         copies = self._copies()
@@ -554,19 +574,25 @@ class MPIComm(Comm):
         target = copies.write(recv)  # in place: holds our block, which is sent
         if recv.size % self.size == 0:
             call = self._comm.Allgather if blocking else self._comm.Iallgather
-            return staging.issued(call(source, target), copies, blocking)
+            with self._waits("allgather") if blocking else _NOT_WATCHED:
+                return staging.issued(call(source, target), copies, blocking)
         call = self._comm.Allgatherv if blocking else self._comm.Iallgatherv
         counts = ring.block_counts(recv.size, self.size)  # target cut into this communicator's blocks
         vector = [target, (counts.tolist(), ring.block_offsets(counts).tolist())]
-        return staging.issued(call(source, vector), copies, blocking)
+        with self._waits("allgather") if blocking else _NOT_WATCHED:
+            return staging.issued(call(source, vector), copies, blocking)
 
     def _mpi_bcast(self, flat, root, blocking):
         copies = self._copies()
         call = self._comm.Bcast if blocking else self._comm.Ibcast
-        return staging.issued(call(copies.write(flat), root), copies, blocking)
+        with self._waits("bcast") if blocking else _NOT_WATCHED:
+            return staging.issued(call(copies.write(flat), root), copies, blocking)
 
-    def _mpi_barrier(self, blocking):
-        return self._comm.Barrier() if blocking else self._comm.Ibarrier()
+    def _mpi_barrier(self, blocking, label="barrier"):
+        if not blocking:
+            return self._comm.Ibarrier()
+        with self._waits(label):
+            return self._comm.Barrier()
 
     def _post_send(self, flat, dest, tag, internal=False):
         copies = self._copies()
@@ -580,30 +606,36 @@ class MPIComm(Comm):
 
     def _send(self, flat, dest, tag):
         copies = self._copies()
-        staging.issued(self._comm.Send(copies.read(flat), dest, tag), copies, blocking=True)
+        with self._waits("send", dest):
+            staging.issued(self._comm.Send(copies.read(flat), dest, tag), copies, blocking=True)
 
     def _recv(self, flat, source, tag):
         copies = self._copies()
-        staging.issued(self._comm.Recv(copies.write(flat), source, tag), copies, blocking=True)
+        with self._waits("recv", source):
+            staging.issued(self._comm.Recv(copies.write(flat), source, tag), copies, blocking=True)
 
     def _test_all(self, handles) -> bool:
         if not self._MPI.Request.Testall(staging.mpi_requests(handles)):
             return False
         staging.completed(handles)  # received data back into device arrays, before anyone reads it
+        watchdog.progress()
         return True
 
-    def _wait_all(self, handles) -> None:
-        self._MPI.Request.Waitall(staging.mpi_requests(handles))
+    def _wait_all(self, handles, what: str = "wait") -> None:
+        with self._waits(what):
+            self._MPI.Request.Waitall(staging.mpi_requests(handles))
         staging.completed(handles)
 
     def _allgather_bytes(self, payload: bytes) -> list[bytes]:
         data = np.frombuffer(payload, dtype=np.uint8)
         sizes = np.empty(self.size, dtype=np.int64)  # (N,) every rank's payload length
-        self._comm.Allgather(np.array([data.size], dtype=np.int64), sizes)
+        with self._waits("allgather_object"):
+            self._comm.Allgather(np.array([data.size], dtype=np.int64), sizes)
         offsets = np.zeros(self.size, dtype=np.int64)  # (N,) where each payload starts
         np.cumsum(sizes[:-1], out=offsets[1:])
         gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
-        self._comm.Allgatherv(data, [gathered, (sizes.tolist(), offsets.tolist())])
+        with self._waits("allgather_object"):
+            self._comm.Allgatherv(data, [gathered, (sizes.tolist(), offsets.tolist())])
         # The ring rule: every block but the right neighbour's, payload and its 8-byte size.
         right = (self.rank + 1) % self.size
         self.counters.record("allgather_object", int(sizes.sum() - sizes[right]) + 8 * (self.size - 1))
@@ -611,9 +643,11 @@ class MPIComm(Comm):
 
     def _bcast_bytes(self, payload: bytes, root: int) -> bytes:
         size = np.array([len(payload)], dtype=np.int64)
-        self._comm.Bcast(size, root)
+        with self._waits("bcast_object"):
+            self._comm.Bcast(size, root)
         data = np.frombuffer(payload, dtype=np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
-        self._comm.Bcast(data, root)
+        with self._waits("bcast_object"):
+            self._comm.Bcast(data, root)
         self.counters.record("bcast_object", 0 if self.rank == (root - 1) % self.size else 8 + data.size)
         return data.tobytes()
 
@@ -624,15 +658,18 @@ class MPIComm(Comm):
         """
         if color is not None and not (isinstance(color, (int, np.integer)) and color >= 0):
             raise ValueError(f"split: color must be a non-negative integer or None, not {color!r}")
-        sub = self._comm.Split(self._MPI.UNDEFINED if color is None else int(color),
-                               self.rank if key is None else int(key))
+        with self._waits("split"):
+            sub = self._comm.Split(self._MPI.UNDEFINED if color is None else int(color),
+                                   self.rank if key is None else int(key))
         if sub == self._MPI.COMM_NULL:
             return None
-        return MPIComm(sub, self._MPI, self.collectives, Counters(parent=self.counters), self.staging_rule)
+        return MPIComm(sub, self._MPI, self.collectives, Counters(parent=self.counters), self.staging_rule,
+                       self._watch)
 
     def node_size(self) -> int:
         """Ranks of this communicator on this node (an MPI_COMM_TYPE_SHARED split)."""
-        node = self._comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        with self._waits("split by node"):
+            node = self._comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
         size = node.Get_size()
         node.Free()
         return size
@@ -692,7 +729,7 @@ class LocalComm(Comm):
     def _mpi_bcast(self, flat, root, blocking):
         return None
 
-    def _mpi_barrier(self, blocking):
+    def _mpi_barrier(self, blocking, label="barrier"):
         return None
 
     def _mailbox(self, internal, tag) -> deque:
@@ -714,7 +751,7 @@ class LocalComm(Comm):
     def _test_all(self, handles) -> bool:
         return all([h is None or h.test() for h in handles])
 
-    def _wait_all(self, handles) -> None:
+    def _wait_all(self, handles, what: str = "wait") -> None:
         if not self._test_all(handles):
             raise RuntimeError("deadlock: a one-process world waits for a message to itself that was never sent")
 
@@ -770,18 +807,49 @@ def existing_world() -> Comm | None:
 
 
 def _create_mpi_world() -> MPIComm:
+    MPI = _start_mpi()
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    failure.install(rank, MPI.COMM_WORLD.Abort)
+    watch = None
+    if size > 1:  # a hang becomes an error naming the ranks that did not arrive (watchdog.py)
+        watch = watchdog.Watchdog(MPI.COMM_WORLD.Dup(), MPI, abort=lambda code: _abort_now(MPI, code)).start()
+        atexit.register(watch.stop)  # before mpi4py finalizes MPI
+    world = MPIComm(MPI.COMM_WORLD, MPI, watch=watch)
+    with world._waits("split by node"):
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    if size > 1:
+        threads.apply(node.Get_size())
+    backend.set_local_rank(node.Get_rank())  # the CuPy backend takes GPU (local rank mod GPUs)
+    node.Free()
+    return world
+
+
+def _start_mpi():
+    """Import mpi4py, which initialises MPI, within REFIMPL_INIT_TIMEOUT seconds (default 60).
+
+    MPI_Init waits for every process of the job. If one of them dies before it gets there (Python
+    cannot import numpy on one node, a wrapper script fails), MPICH's launcher does not end the job
+    and the others would wait forever. MPI_Init holds Python's GIL, so no Python thread can time it
+    out; faulthandler's watchdog is a C thread: it prints where this process waits ("Timeout ...
+    in _start_mpi") and exits with status 1, which ends the job.
+    """
+    limit = float(os.environ.get("REFIMPL_INIT_TIMEOUT", INIT_TIMEOUT_S))
+    faulthandler.dump_traceback_later(limit, exit=True)
     try:
+        # If this import times out, a process of the job exited before it joined MPI (see its output).
         from mpi4py import MPI  # noqa: PLC0415 - the only import of mpi4py in refimpl
     except Exception as exc:  # ImportError, or RuntimeError when no MPI library can be loaded
         found = [name for name in LAUNCHER_VARIABLES if name in os.environ] or ["REFIMPL_MPI=1"]
         raise RuntimeError(f"running under mpiexec ({found[0]} is set) but mpi4py cannot start MPI: {exc}; "
                            "install an MPI library, e.g. pip install mpich") from exc
-    failure.install(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Abort)
-    world = MPIComm(MPI.COMM_WORLD, MPI)
-    if world.size > 1:
-        threads.apply(world.node_size())
-    if backend.name() == "cupy":  # one GPU per rank on a node, before any array is made
-        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
-        backend.use_local_gpu(node.Get_rank())
-        node.Free()
-    return world
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return MPI
+
+
+def _abort_now(MPI, code: int) -> None:
+    """MPI_Abort after a moment for the launcher to forward what was just printed."""
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(ABORT_GRACE_S)
+    MPI.COMM_WORLD.Abort(code)

@@ -22,8 +22,9 @@ Every rank that raises reports itself; the first one aborts the job within a fra
 Limits. An exception is reported only if nothing catches it. A rank that *exits* (sys.exit, or
 returning an error code from main) while the others wait in a collective is not an exception:
 call `comm.abort(code, message)` instead (or `existing_world()` from the CLI's error branch).
-Bad input that all ranks check together (`agree`: a sharded checkpoint to resume from, a --save-dir
-to write to) raises `AgreedError` on every rank at once; nobody waits, so the CLI prints it once.
+Bad input that all ranks check together (`agree`: the command line and environment at startup, a
+sharded checkpoint to resume from, a --save-dir to write to) raises `AgreedError` on every rank at
+once; nobody waits, so the CLI prints each distinct problem once, with the ranks that had it.
 A rank killed by a signal is cleaned up by hydra itself ("BAD TERMINATION ...").
 """
 
@@ -51,14 +52,28 @@ class AgreedError(ValueError):
 
 
 def agree(comm, problem: str | None) -> None:
-    """Collective: raise AgreedError on every rank if any rank has a problem (the first one, and
-    which ranks had one unless all did); return on every rank otherwise."""
-    found = comm.allgather_object(problem)
-    ranks = [r for r, p in enumerate(found) if p]
-    if not ranks:
-        return
-    where = "" if len(ranks) == len(found) else f" (on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))})"
-    raise AgreedError(found[ranks[0]] + where)
+    """Collective: raise AgreedError on every rank if any rank has a problem; return on every rank
+    otherwise. The error holds each distinct problem once (`problems_by_rank`)."""
+    problems = problems_by_rank(comm.allgather_object(problem))
+    if problems:
+        raise AgreedError(problems)
+
+
+def problems_by_rank(found: list) -> str | None:
+    """Each distinct problem once, one per line, with the ranks that had it unless all did
+    ("shard 2 is corrupt (on ranks 1, 2)"); None when no rank had one. found: by rank."""
+    ranks_by_problem: dict[str, list[int]] = {}
+    for rank, text in enumerate(found):
+        if text:
+            ranks_by_problem.setdefault(text, []).append(rank)
+    return "\n".join(text + ("" if len(ranks) == len(found) else f" ({on_ranks(ranks)})")
+                     for text, ranks in ranks_by_problem.items()) or None
+
+
+def on_ranks(ranks) -> str:
+    """'on rank 3', 'on ranks 0, 1'."""
+    ranks = list(ranks)
+    return f"on rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
 def format_error(rank: int, exc: BaseException) -> str:

@@ -77,6 +77,7 @@ from refimpl import backend
 from refimpl.autograd import engine
 from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
+from refimpl.parallel import watchdog
 
 from .actions import Action, Message, Overlapped, Schedule, format_action, messages_of
 from .render import step_label
@@ -210,6 +211,7 @@ class PipelineExecutor:
                 else:
                     time.sleep(cost - compute)
             end = clock()
+            watchdog.progress()  # a step of the schedule done (its sleep included)
             for msg in sends:
                 self._send(msg)
             record.steps.append(StepTime(label, kind, start - t0, end - t0, compute,
