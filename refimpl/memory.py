@@ -313,6 +313,8 @@ def _parse(text, suffixes: dict, what: str, example: str, zero: bool = False) ->
     if not match or match.group(2).upper() not in suffixes:
         raise ValueError(f"cannot read {what} {text!r}; write it like {example}")
     value = float(match.group(1)) * suffixes[match.group(2).upper()]
+    if value == float("inf"):  # 1e400: a float overflow, not a size
+        raise ValueError(f"{what} {text!r} is too large; write it like {example}")
     if value < 0 or (value == 0 and not zero) or value != value:
         raise ValueError(f"{what} must be positive, got {text!r}")
     if abs(value - round(value)) > 1e-9 * value:

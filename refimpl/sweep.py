@@ -115,6 +115,8 @@ def run_sweep(args) -> int:
 
     if args.sweep <= 0:
         raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
+    if args.sweep_seed is not None and args.sweep_seed < 0:
+        raise ValueError(f"--sweep-seed must be >= 0 (a seed that a sweep printed), got {args.sweep_seed}")
     factory = load_trainer_factory(args.trainer) if args.trainer else None
     world = world_of("mpi")
     seed = args.sweep_seed if args.sweep_seed is not None else int(np.random.SeedSequence().entropy % 2 ** 32)

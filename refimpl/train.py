@@ -15,6 +15,7 @@ digits in a few seconds on two cores; `--model mlp` classifies 2-D spirals.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -82,8 +83,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "n_layer", "d_model", "grad_accum"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+        self.check_hyperparameters()
         if self.model == "gpt" and self.n_head <= 0:
             raise ValueError(f"--n-head must be positive, got {self.n_head}")
         if self.model == "gpt" and self.seq_len < 2:
@@ -118,6 +118,32 @@ class TrainConfig:
             backend.check_dtype(self.dtype)
         if self.dtype == "float16":
             raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
+
+    def check_hyperparameters(self) -> None:
+        """Refuse NaN, infinities and values outside a hyperparameter's range, in one line that says
+        how to fix it. argparse's float() accepts "nan" and "inf", and NaN compares False with
+        everything, so a check like `lr <= 0` lets it through: every check here is written as what
+        a valid value satisfies."""
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be positive and finite, got {self.lr}; try 3e-3 (the GPT's default) or 1e-2")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}; use 0 (no decay) "
+                             f"or e.g. 0.1")
+        if not (math.isfinite(self.clip) and self.clip >= 0):
+            raise ValueError(f"--clip must be a finite number >= 0 (the largest global gradient norm), got {self.clip}; "
+                             f"use e.g. 1.0, or 0 to turn clipping off")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1) (the probability of zeroing an activation), got {self.dropout}; "
+                             f"use e.g. 0.1, or 0 for none")
+        if self.dropout > 0 and self.model != "gpt":
+            raise ValueError("--dropout applies to the GPT's blocks; the MLP has no dropout: use it with --model gpt")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0 (NumPy's generators take non-negative seeds), got {self.seed}; "
+                             f"use e.g. --seed {-self.seed}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"--bucket-bytes must be positive, got {self.bucket_bytes} (default 1048576: 1 MiB)")
+        if self.chunks is not None and self.chunks < 1:
+            raise ValueError(f"--chunks must be positive (model chunks per rank, interleaved), got {self.chunks}")
 
 
 def build_task(cfg: TrainConfig):

@@ -40,6 +40,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -149,6 +150,10 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         raise ValueError("--inject-overflow tests mixed precision's skip rule: use it with --dtype mixed")
     if inject_overflow is not None and not 0 <= inject_overflow < cfg.steps:
         raise ValueError(f"--inject-overflow {inject_overflow} is not a step of this run (0 .. {cfg.steps - 1})")
+    for flag, value in (("--rtol", rtol), ("--atol", atol)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} must be a finite number >= 0, got {value}; leave it out for the dtype's "
+                             f"default tolerance")
     tol = mixed_tolerance(world.size, cfg.grad_accum) if mixed else None
     if mixed and (rtol is not None or atol is not None):
         raise ValueError("--rtol and --atol set float32/float64 tolerances; mixed precision's follow from float16 "
