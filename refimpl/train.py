@@ -68,6 +68,7 @@ class TrainConfig:
     save_dir: str | None = None
     save_every: int = 0
     resume: str | None = None
+    overwrite_checkpoints: bool = False  # start over in a --save-dir that holds another run's steps
     checkpoint: str = "none"  # activation checkpointing of the GPT's blocks (refimpl/checkpointing)
     # pipeline parallelism (refimpl/parallel/pipeline; docs/pipeline_parallel.md)
     pp: int = 1
@@ -338,8 +339,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         from refimpl.parallel.zero import checkpoint as sharded  # noqa: PLC0415
 
         start_step = sharded.resume(trainer, model, cfg, world) if cfg.resume else 0
-        if cfg.save_dir:  # before the first step, not at the first save
-            sharded.check_writable(cfg.save_dir, world)
+        if cfg.save_dir:  # before the first step, not at the first save: writable, and not another run's
+            sharded.prepare_save_dir(cfg, world)
     progress = progress and trainer.rank == 0
     bar = Progress(cfg.steps, label=f"train {cfg.model}", enabled=progress)
     saved_tensors.reset_peak()
@@ -435,7 +436,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-rank memory budget, e.g. 200MB: exceeding it is an out-of-memory error")
     p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints under DIR/step_NNNNNNNN/")
     p.add_argument("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (default: at the end)")
-    p.add_argument("--resume", metavar="PATH", help="resume from a checkpoint directory (or the latest one under PATH)")
+    p.add_argument("--resume", metavar="PATH", help="continue the run saved in PATH: a step directory, or a "
+                   "--save-dir (its newest intact step); only --steps, --save-every, world size, --zero and other "
+                   "flags that do not change what is computed may differ (docs/zero.md)")
+    p.add_argument("--overwrite-checkpoints", action="store_true", help="start over in a --save-dir that holds "
+                   "another run's checkpoints: delete them before the first step")
     backend.add_argument(p)
     p.add_argument("--checkpoint", default="none", metavar="PLAN",
                    help="activation checkpointing of the GPT's blocks: none, sqrt, every:K, revolve:C, budget:BYTES")

@@ -2,6 +2,7 @@
 and bad checkpoints (corrupt, missing, interrupted, another model) that stop with one line and
 overwrite nothing."""
 
+import json
 import os
 import shutil
 
@@ -65,11 +66,11 @@ def test_resume_at_the_same_world_size_and_stage_is_bitwise_identical(saved):
     assert_same(load(out), load(str(saved / "final.npz")))  # parameters and optimizer state, bit for bit
 
 
-@pytest.mark.parametrize("n,stage", [(2, 0), (3, 1), (3, 2)])
-def test_resume_at_another_world_size_and_stage(saved, n, stage):
-    tag = f"n{n}z{stage}"
-    summary = run_mpi_json(n, TRAIN + ["--zero", str(stage), "--resume", saved / "run" / "step_00000003",
-                                       "--save-dir", saved / tag], timeout=180)
+@pytest.mark.parametrize("n,stage,accum", [(2, 0, 1), (3, 1, 1), (3, 2, 1), (2, 1, 3)])
+def test_resume_at_another_world_size_and_stage(saved, n, stage, accum):
+    tag = f"n{n}z{stage}a{accum}"  # --grad-accum, too, splits the same global batch otherwise
+    summary = run_mpi_json(n, TRAIN + ["--zero", str(stage), "--grad-accum", str(accum), "--resume",
+                                       saved / "run" / "step_00000003", "--save-dir", saved / tag], timeout=180)
     assert summary["world_size"] == n and summary["start_step"] == 3 and summary["steps"] == 6
     assert summary["forward_calls_per_layer"] == 1.0  # per step run here (3 of the 6), not per step in all
     out = str(saved / f"{tag}.npz")
@@ -130,8 +131,19 @@ def test_checkpoint_from_another_model_is_a_clear_error(saved, tmp_path):
     done = run_mpi_error(2, other + ["--zero", "1", "--resume", saved / "run" / "step_00000003"], timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert lines and all("is from another model" in line for line in lines), done.stderr
-    assert "(wte.weight (11, 8) there, wte.weight (11, 16) here;" in done.stderr
+    assert lines and all("is of another run" in line for line in lines), done.stderr
+    assert "(differs in --d-model: 8 there, 16 here; --seq-len: 8 there, 16 here)" in done.stderr
+    # a manifest without a fingerprint (an older refimpl) still has its model's shapes checked
+    old = tmp_path / "old"
+    shutil.copytree(saved / "run" / "step_00000003", old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["fingerprint"]
+    manifest["format"] = "refimpl-sharded-checkpoint/1"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    cfg = TrainConfig(model="gpt", n_layer=1, d_model=16, n_head=2, seq_len=16, dtype="float64")
+    with pytest.raises(ValueError, match=r"is from another model \(wte.weight \(11, 8\) there, wte.weight \(11, 16\) here;"):
+        sharded.check_model(sharded.read(str(old)), build_model(cfg, build_task(cfg)), cfg)
+    assert "records no run fingerprint" in sharded.check_run(sharded.read(str(old)), cfg)
 
 
 def test_interrupted_save_is_never_loaded_and_nothing_left_to_train_is_an_error(saved, tmp_path):
@@ -140,11 +152,11 @@ def test_interrupted_save_is_never_loaded_and_nothing_left_to_train_is_an_error(
     os.makedirs(root / "step_00000009")  # a save that died before its manifest
     (root / "step_00000009" / "shard_00000_of_00004.npz").write_bytes(b"partial")
     assert sharded.locate(str(root)) == str(root / "step_00000003")
-    with pytest.raises(ValueError, match="no checkpoint in"):
+    with pytest.raises(ValueError, match="step_00000009: incomplete, no manifest.json"):
         sharded.locate(str(root / "step_00000009"))
     with pytest.raises(ValueError, match="leaves nothing to train"):
         train(TrainConfig(model="gpt", n_layer=1, d_model=8, n_head=2, seq_len=8, dtype="float64", batch_size=12,
-                          steps=3, resume=str(root)), progress=False)
+                          dropout=0.1, lr=1e-2, weight_decay=0.01, steps=3, resume=str(root)), progress=False)
 
 
 def test_mixed_precision_resume_is_bitwise_in_one_process(tmp_path):
