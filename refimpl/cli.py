@@ -129,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"error: {line}", file=sys.stderr)
             return 2
         if many:
-            world.abort(2, f"error: {exc}")  # a rank that stops alone would leave the others waiting
+            everywhere = watchdog.active().errors_everywhere(str(exc)) if watchdog.active() else None
+            if everywhere is None:  # a rank that stops alone would leave the others waiting
+                world.abort(2, f"error: {exc}")
+            if world.rank == 0:  # every rank met it: one message, and nobody needs MPI_Abort
+                for line in failure.problems_by_rank(everywhere).splitlines():
+                    print(f"error: {line}", file=sys.stderr)
+            return 2
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if many:

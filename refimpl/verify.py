@@ -47,13 +47,14 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl import backend
+from refimpl import backend, fits
 from refimpl.compare import TOLERANCES, Comparison, compare_step
 from refimpl.compare_mixed import compare_mixed_step, mixed_tolerance, partial_gradient_magnitudes, state_by_name
+from refimpl.agreement import check_same_run
 from refimpl.console import emit_json, log
 from refimpl.parallel import watchdog
 from refimpl.train import LocalTrainer, add_arguments as add_train_arguments, build_model, build_optimizer, \
-    build_task, check_same_config, config_from_args, get_world, make_trainer
+    build_task, config_from_args, get_world, make_trainer
 
 DEFAULT_STEPS = 3
 # What verify reads and sets on a trainer (docs/verify_your_algorithm.md, "The trainer interface").
@@ -162,6 +163,8 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         rtol = TOLERANCES[cfg.dtype][0] if rtol is None else rtol
         atol = TOLERANCES[cfg.dtype][1] if atol is None else atol
     task = build_task(cfg)
+    fits.check(cfg, task, world, verify=True)  # before any model is built: rank 0 also holds the reference
+    check_same_run(world, cfg, task, build_model(cfg, task))  # the same flags, data and model on every rank
     comm = world.with_collectives(cfg.collectives)
 
     # 1. The distributed run, recording what rank 0 needs for the comparison.
@@ -255,7 +258,6 @@ def run(args) -> int:
     cfg = config_from_args(args)
     cfg.check()
     world = get_world(cfg)
-    check_same_config(world, cfg)
     result = verify_config(cfg, world, factory, args.rtol, args.atol, args.inject_overflow)
     counters = world.counters_by_rank()
     if world.rank == 0:

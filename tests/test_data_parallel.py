@@ -62,7 +62,7 @@ def test_mismatched_flags_between_ranks_are_a_clear_error(tmp_path):
         "sys.exit(main(['train', '--model', 'mlp', '--steps', '2', '--lr', str(0.01 * (rank + 1))]))\n")
     done = run_mpi(2, [script], timeout=300)
     assert done.returncode != 0
-    assert "ranks were launched with different flags: lr = [0.01, 0.02] (by rank)" in done.stderr
+    assert "ranks were launched with different flags: --lr: 0.01 on rank 0 vs 0.02 on rank 1" in done.stderr
 
 
 def test_verify_fails_loudly_when_the_distributed_run_is_wrong(tmp_path):

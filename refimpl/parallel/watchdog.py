@@ -30,8 +30,9 @@ How it works:
 
     Otherwise it asks again every RECHECK_S seconds.
 
-Bound: a hang is reported at most timeout + RECHECK_S + ANSWER_S + POLL_S (< timeout + 10 s) after
-the last moment any rank made progress. Cost: setting two attributes around each blocking call,
+Bound: a hang is reported at most timeout + RECHECK_S + ANSWER_S + POLL_S + LOWER_RANK_FIRST_S
+(< timeout + 10 s) after the last moment any rank made progress. When several ranks see the hang,
+the lowest one reports it and the others give it a second to do so. Cost: setting two attributes around each blocking call,
 and a thread that wakes twice a second to probe for a message (benchmarks/watchdog_overhead.py
 measures it). What it cannot do: see docs/cluster.md ("What MPI cannot guarantee").
 """
@@ -50,7 +51,9 @@ DEFAULT_TIMEOUT_S = 300.0
 POLL_S = 0.5  # how often the thread wakes
 ANSWER_S = 5.0  # how long a diagnosis waits for the other ranks' answers
 RECHECK_S = 3.0  # how soon a long wait that is not (yet) a hang is looked at again
-QUERY, REPLY = 1, 2  # tags on the watchdog's private communicator
+LOWER_RANK_FIRST_S = 1.0  # how long a rank lets a lower rank that saw the same hang report it
+QUERY, REPLY, ERROR = 1, 2, 3  # tags on the watchdog's private communicator
+SAME_ERROR_S = 1.0  # how long a failing rank waits to hear whether every rank failed
 
 _REFIMPL_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _active: "Watchdog | None" = None
@@ -121,6 +124,24 @@ class Watchdog:
                 request.Free()  # MPI completes it in the background
         self._sends.clear()
 
+    def errors_everywhere(self, message: str) -> list[str] | None:
+        """Called by a rank that failed with a bad-input error: tell every rank, and wait SAME_ERROR_S
+        for theirs. Every rank's message, by rank, if every rank failed (an error that all ranks
+        meet alike, such as a batch that does not split: the CLI then prints it once and nobody needs
+        MPI_Abort); None if some rank did not (it may wait in a collective: abort the job)."""
+        for other in range(self.size):
+            if other != self.rank:
+                self._send(json.dumps({"rank": self.rank, "error": message}).encode(), other, ERROR)
+        messages = {self.rank: message}
+        deadline = time.monotonic() + SAME_ERROR_S
+        while len(messages) < self.size and time.monotonic() < deadline:
+            got = self._receive(ERROR)
+            if got is None:
+                time.sleep(0.005)
+            else:
+                messages[got["rank"]] = got["error"]
+        return [messages[r] for r in range(self.size)] if len(messages) == self.size else None
+
     # -- what this rank is doing -------------------------------------------------------------------
 
     def status(self) -> dict:
@@ -155,7 +176,11 @@ class Watchdog:
             now = time.monotonic()
             if now - wait[3] < self.timeout_s or now < next_check:
                 continue
-            report = verdict(self._ask_everyone(), self.size, self.timeout_s)
+            answers = self._ask_everyone()
+            report = verdict(answers, self.size, self.timeout_s)
+            if report is not None and any(r < self.rank and a.get("waited", 0) >= self.timeout_s
+                                          for r, a in answers.items()):
+                self._stop.wait(LOWER_RANK_FIRST_S)  # a lower rank reports the same hang: one report
             if report is not None and self._wait is wait and not self._stop.is_set():
                 sys.stderr.write(f"[rank {self.rank}] {report}\n")
                 sys.stderr.flush()
