@@ -326,6 +326,29 @@ def check_same_config(world, cfg: TrainConfig) -> None:
             f"{k} = {[c[k] for c in configs]} (by rank)" for k in differing))
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite: training diverged (exit status 1, not a traceback).
+
+    `train` decides it on the step's global loss, which every trainer has already reduced over all
+    ranks for reporting (DataParallelTrainer and the ZeRO trainers with allreduce_value; a
+    pipeline's last stages contribute it and the other ranks 0). So every rank holds the same
+    number and raises at the same step, at no extra communication: like failure.AgreedError,
+    nobody is left waiting in a collective, and the train command prints the message once and
+    exits 1 on every rank, without MPI_Abort. (Whether a sum is finite does not depend on the
+    order in which ranks add: NaN and inf propagate, and the terms, cross-entropies, are >= 0.)
+
+    Mixed precision's skip rule is not divergence: a float16 overflow in the scaled gradients
+    skips the step and backs the loss scale off (optim/precision.py) while the float32 loss stays
+    finite; a loss that is not finite means the parameters are no longer usable.
+    """
+
+    def __init__(self, step: int, loss: float, cfg: TrainConfig) -> None:
+        self.step, self.loss = step, loss
+        clip = f"a smaller --clip (this run: {cfg.clip:g})" if cfg.clip > 0 else "--clip 1.0 (this run: off)"
+        super().__init__(f"step {step}: the loss is {loss}; training diverged: try a smaller --lr "
+                         f"(this run: {cfg.lr:g}), or {clip}")
+
+
 def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     """Train as configured; return the summary printed by --json."""
     cfg.check()
@@ -359,6 +382,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
             examples += len(x)
             tokens += x.size if cfg.model == "gpt" else 0
             bar.update(step + 1, loss=loss)
+            if not math.isfinite(loss):  # the same number on every rank: they stop together
+                raise TrainingDiverged(step + 1, loss, cfg)
             if cfg.save_dir:
                 sharded.maybe_save(trainer, model, cfg, step + 1, world)
         elapsed = time.perf_counter() - start
@@ -366,6 +391,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         trainer.gather_model(model)
     eval_loss, acc = evaluate(model, task)
     summary = {
+        "ok": True,  # False, with "error" and "diverged_at_step", when the loss became NaN or infinite (run)
         "model": cfg.model,
         "final_loss": losses[-1],
         "eval_loss": eval_loss,
@@ -464,7 +490,16 @@ def run(args) -> int:
     cfg = config_from_args(args)
     cfg.check()
     world = get_world(cfg)
-    summary = train(cfg, progress=True, world=world)
+    try:
+        summary = train(cfg, progress=True, world=world)
+    except TrainingDiverged as exc:  # raised on every rank at once: all exit 1, the message once
+        if world.rank == 0:
+            log(f"error: {exc}")
+            if args.json:
+                emit_json({"ok": False, "error": str(exc), "diverged_at_step": exc.step, "final_loss": exc.loss,
+                           "model": cfg.model, "steps": cfg.steps, "world_size": world.size, "config": asdict(cfg),
+                           "backend": backend.name()})
+        return 1
     summary.pop("_model")
     if world.rank != 0:
         return 0
