@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 
 
-from refimpl import backend
+from refimpl import backend, fits
 from refimpl.autograd import no_grad, saved_tensors
 from refimpl.checkpointing import count_forward_calls
 from refimpl.console import Progress, emit_json, log
@@ -353,6 +353,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     """Train as configured; return the summary printed by --json."""
     cfg.check()
     task = build_task(cfg)
+    fits.check(cfg, task, world)  # refuse up front a run its hosts' memory cannot hold (refimpl/fits.py)
     model = build_model(cfg, task)
     if world is not None:
         check_same_config(world, cfg)
@@ -433,11 +434,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, help="model width (default 64)")
     p.add_argument("--n-head", type=int, help="attention heads (default 4)")
     p.add_argument("--seq-len", type=int, help="context length (sorting: 2 x sequence length, default 16; --data: default 64)")
-    p.add_argument("--data", metavar="FILE", help="train a character-level GPT on this text file")
+    p.add_argument("--data", metavar="FILE", help="train a character-level GPT on this UTF-8 text file")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--weight-decay", type=float, default=None, help="weight decay, >= 0 (default 0: none)")
     p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
-    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--dropout", type=float, default=0.0, help="GPT dropout probability, in [0, 1) (default 0)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (per rank)")
     p.add_argument("--collectives", choices=("mpi", "ring"), default="mpi",
                    help="MPI's built-in collectives, or the textbook ring algorithms of ring.py")
