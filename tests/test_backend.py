@@ -176,8 +176,11 @@ TYPES = {"ndarray", "dtype", "integer", "float64", "int64", "uint8", "random.Gen
 # waiting to happen: ask backend.xp(), or add the use here with its reason.
 HOST_BY_DESIGN = {
     "backend.py": ({"array", "asarray"}, "the backend itself"),
-    "data.py": ({"arange", "array", "concatenate", "cos", "full", "pi", "random.default_rng", "sin", "sort", "stack"},
-                "data sets build NumPy batches on the host; the models move them with backend.asarray"),
+    "data.py": ({"arange", "array", "concatenate", "cos", "full", "pi", "random.default_rng", "sin", "sort", "stack",
+                 "asarray", "bincount", "cumsum", "empty", "flatnonzero", "frombuffer", "min_scalar_type", "take",
+                 "zeros"},
+                "data sets build NumPy batches on the host (a text file's tokens too); the models move them with "
+                "backend.asarray"),
     "nn/layers.py": ({"ones", "zeros", "triu", "random.default_rng"},
                      "initial values, the causal mask and dropout masks are made on the host, then moved"),
     "nn/models.py": ({"random.default_rng"}, "weights are drawn on the host: the same model on every backend"),
