@@ -445,24 +445,28 @@ def check(cfg, task, world=None, verify: bool = False) -> Estimate:
     vocab = getattr(task, "vocab_size", None) or getattr(task, "n_classes", 1)
     seq = getattr(task, "seq_len", 0) if cfg.model == "gpt" else 0
     est = estimate(cfg, vocab, seq, size, rank, _task_bytes(task), verify)
-    available, source = available_memory()
+    try:
+        available, source = available_memory()
+        problem = None
+    except ValueError as exc:  # a bad REFIMPL_MEMORY_LIMIT: refused with the others, never alone
+        available, source, problem = None, "", str(exc)
     pools = [("host", socket.gethostname(), est.total - est.on_device, available, source)]
     if est.on_device:
         device, free = _device_memory()
         pools.append((device, f"{pools[0][1]}/{device}", est.on_device, free, f"free memory of {device}"))
     mine = {"rank": rank, "pools": pools, "parts": est.describe()}
     everyone = [mine] if size == 1 else world.allgather_object(mine)
-    problem = None
-    for pool, (kind, key, _, _, _) in enumerate(pools):
-        sharing = [r for r in everyone if r["pools"][pool][1] == key]
+    for pool, (_, key, _, _, _) in enumerate(pools):  # (kind, host or host/GPU, bytes needed, available, source)
+        if problem:
+            break
+        sharing = [r for r in everyone if len(r["pools"]) > pool and r["pools"][pool][1] == key]
         need = sum(r["pools"][pool][2] for r in sharing)
         known = [r["pools"][pool] for r in sharing if r["pools"][pool][3] is not None]
         if not known:
             continue
         _, _, _, have, where = min(known, key=lambda entry: entry[3])
         if need > have:
-            problem = _message(cfg, est, kind, key, sharing, need, have, where, verify)
-            break
+            problem = _message(cfg, est, pool, sharing, everyone, need, have, where, verify)
     if size == 1:
         if problem:
             raise AgreedError(problem)
@@ -471,17 +475,19 @@ def check(cfg, task, world=None, verify: bool = False) -> Estimate:
     return est
 
 
-def _message(cfg, est: Estimate, kind: str, key: str, sharing: list, need: int, have: int, where: str,
+def _message(cfg, est: Estimate, pool: int, sharing: list, everyone: list, need: int, have: int, where: str,
              verify: bool) -> str:
-    ranks = len(sharing)
-    who = f"{ranks} ranks on host {key.split('/')[0]}" if ranks > 1 else f"host {key.split('/')[0]}"
+    """The one line: what this host's ranks need, the largest rank's parts, what is available, what to do."""
+    kind, key = sharing[0]["pools"][pool][:2]
+    several_hosts = len({r["pools"][0][1] for r in everyone}) > 1
+    host = f"host {key.split('/')[0]}" if several_hosts else "this host"
+    who = f"{len(sharing)} ranks on {host}" if len(sharing) > 1 else host
     if kind != "host":
         who += f" ({kind})"
-    largest = max(sharing, key=lambda r: r["pools"][0][2])
-    per_rank = f"rank {largest['rank']}: {largest['parts']}" if ranks > 1 else largest["parts"]
-    return (f"this run needs about {_size(need)} of memory on {who} ({per_rank}; estimated before "
-            f"allocating, refimpl/fits.py), more than the {_size(have)} available ({where}); "
-            f"{_advice(cfg, est, verify)}")
+    largest = max(sharing, key=lambda r: r["pools"][pool][2])
+    parts = f"rank {largest['rank']}: {largest['parts']}" if len(sharing) > 1 else largest["parts"]
+    return (f"this run needs about {_size(need)} of memory on {who} ({parts}; estimated before allocating, "
+            f"refimpl/fits.py), more than the {_size(have)} available ({where}); {_advice(cfg, est, verify)}")
 
 
 def _advice(cfg, est: Estimate, verify: bool) -> str:

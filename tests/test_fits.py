@@ -196,6 +196,6 @@ def test_the_ranks_on_one_host_are_summed():
     between = (max(each) + sum(each)) // 2
     refused = run_mpi(2, ["-m", "refimpl", "train", *flags], timeout=300, env={LIMIT: between})
     assert refused.returncode == 2, refused.stderr
-    assert "this run needs about" in refused.stderr and "on 2 ranks on host" in refused.stderr, refused.stderr
+    assert "this run needs about" in refused.stderr and "on 2 ranks on this host" in refused.stderr, refused.stderr
     assert refused.stderr.count("this run needs") == 1  # printed once, every rank refused alike
     check_ok(run_mpi(2, ["-m", "refimpl", "train", *flags], timeout=300, env={LIMIT: sum(each)}))
