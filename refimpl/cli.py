@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         problem, usage = str(exc), getattr(exc, "usage", None)
-    if many:
-        code = _agree_on_startup(world, problem, usage, help_shown)
-        if code is not None:
-            return code
     try:
+        if many:
+            code = _agree_on_startup(world, problem, usage, help_shown)
+            if code is not None:
+                return code
         code = int(args._run(args) or 0)
     except SystemExit as exc:
         if many:  # the others would wait for this rank in their next collective
