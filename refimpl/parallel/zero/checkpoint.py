@@ -58,6 +58,7 @@ import numpy as np
 
 from refimpl import backend
 from refimpl.console import emit_json, log
+from refimpl.parallel import watchdog
 from refimpl.parallel.failure import AgreedError, agree
 from refimpl.parallel.zero import fingerprint, safe_files
 
@@ -156,27 +157,16 @@ def save(trainer, model, cfg, step: int, world=None) -> str:
         digest, size, problem = None, None, None
         try:
             digest, size = safe_files.create_new(os.path.join(staging, name), lambda f: np.savez(f, **arrays))
+            watchdog.progress()  # a file written: this rank is alive (the others may wait for it)
         except OSError as exc:
             problem = f"cannot write checkpoint shard {name} into {staging}: {_os_error(exc)}"
+            if isinstance(exc, FileNotFoundError) and comm.rank != 0:  # rank 0 created the directory
+                problem += " (--save-dir must be on a file system that every rank shares)"
         agree(comm, problem)  # every shard is on disk, or every rank stops
         shards = comm.allgather_object({"file": name, "sha256": digest, "bytes": size, "rng": _dropout_states(model)})
-        manifest = None
-        if comm.rank == 0:
-            scaler = getattr(trainer, "scaler", None)
-            manifest = {
-                "format": FORMAT, "step": step, "world_size": comm.size, "trainer": type(trainer).__name__,
-                "zero_stage": getattr(trainer, "stage", 0), "precision": cfg.dtype,
-                "optimizer": {"name": cfg.optimizer, "step": optimizer_step},
-                "loss_scaler": None if scaler is None else scaler.state_dict(),
-                "parameters": [[n, list(p.shape)] for n, p in model.named_parameters()],
-                "model": {k: getattr(cfg, k) for k in ("model", "n_layer", "d_model", "n_head", "seq_len", "data")},
-                "fingerprint": fingerprint.of(cfg),
-                "shards": [{k: s[k] for k in ("file", "sha256", "bytes")} for s in shards],
-                "rng": [s["rng"] for s in shards],
-            }
 
-        def finish():
-            text = json.dumps(manifest, indent=1).encode()
+        def finish():  # rank 0: the manifest last, then the step appears whole
+            text = json.dumps(_manifest(trainer, model, cfg, step, optimizer_step, shards), indent=1).encode()
             safe_files.create_new(os.path.join(staging, MANIFEST), lambda f: f.write(text))
             safe_files.publish(staging, final)
 
@@ -186,6 +176,22 @@ def save(trainer, model, cfg, step: int, world=None) -> str:
             safe_files.remove(staging)  # an unfinished step leaves nothing behind
         raise
     return final
+
+
+def _manifest(trainer, model, cfg, step: int, optimizer_step: int, shards: list) -> dict:
+    """What manifest.json records (see the module docstring); shards: every rank's file, by rank."""
+    scaler = getattr(trainer, "scaler", None)
+    return {
+        "format": FORMAT, "step": step, "world_size": len(shards), "trainer": type(trainer).__name__,
+        "zero_stage": getattr(trainer, "stage", 0), "precision": cfg.dtype,
+        "optimizer": {"name": cfg.optimizer, "step": optimizer_step},
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
+        "parameters": [[n, list(p.shape)] for n, p in model.named_parameters()],
+        "model": {k: getattr(cfg, k) for k in ("model", "n_layer", "d_model", "n_head", "seq_len", "data")},
+        "fingerprint": fingerprint.of(cfg),
+        "shards": [{k: s[k] for k in ("file", "sha256", "bytes")} for s in shards],
+        "rng": [s["rng"] for s in shards],
+    }
 
 
 def maybe_save(trainer, model, cfg, steps_done: int, world=None) -> str | None:
@@ -301,7 +307,7 @@ def open_newest(path: str) -> tuple[Checkpoint, list[str]]:
                              f"directory ({os.path.dirname(os.path.normpath(path)) or '.'}) to take the newest "
                              "intact step instead") from None
     if not os.path.isdir(path):
-        raise ValueError(f"checkpoint {path} does not exist")
+        raise ValueError(f"checkpoint {path} " + ("is not a directory" if os.path.exists(path) else "does not exist"))
     names = sorted(os.listdir(path), reverse=True)
     steps = [n for n in names if STEP.match(n)]
     skipped = []
@@ -366,6 +372,7 @@ def _read(path: str) -> Checkpoint:
                                  f"the manifest says {shard['bytes']} bytes, {shard['sha256'][:12]}...)")
             f.seek(0)
             _read_shard(shard["file"], f, shapes, masters, states, covered)
+        watchdog.progress()  # a file read: this rank is alive (consolidate's other ranks wait for it)
     short = [n for n, c in covered.items() if c != int(np.prod(shapes[n], dtype=np.int64))]
     if short:
         raise ValueError(f"the shards do not cover parameter {short[0]} exactly once")
