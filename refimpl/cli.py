@@ -16,7 +16,7 @@ import sys
 from refimpl.backend import BackendError, set_backend
 from refimpl.backend import name as backend_name
 from refimpl.parallel import failure, watchdog
-from refimpl.parallel.comm import RANK_VARIABLES  # set by mpiexec (importing comm imports no MPI)
+from refimpl.parallel.comm import RANK_VARIABLES, existing_world  # set by mpiexec (importing comm imports no MPI)
 
 COMMANDS = {
     "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
@@ -159,6 +159,8 @@ def _start(args) -> None:
     watchdog.check_timeout(args.timeout)
     if watchdog.active() is not None:
         watchdog.active().set_timeout(args.timeout)
+        if not args.timeout:  # --timeout 0: no watchdog at all (its thread stops, no call is watched)
+            existing_world().unwatch()
     if args._check is not None:
         args._check(args)
 

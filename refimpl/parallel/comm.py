@@ -539,6 +539,12 @@ class MPIComm(Comm):
                                                            MPI.COMM_WORLD.Get_group()))
         self.staging_rule = staging_rule or staging.StagingRule.from_environment(MPI)
 
+    def unwatch(self) -> None:
+        """Stop the watchdog and watch no call of this communicator (or of those split from it later)."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
     def _waits(self, kind: str, peer: int | None = None):
         """The context of a blocking MPI call: the watchdog knows what this rank waits for."""
         return _NOT_WATCHED if self._watch is None else self._watch.waiting(self, kind, peer)
