@@ -217,13 +217,16 @@ def run_check(check: Check, tree: Path, timeout: float) -> tuple[int | str, floa
         os.killpg(process.pid, signal.SIGKILL)  # mpiexec and every rank it started
         output, _ = process.communicate()
         status = "timeout"
-    tail = "\n".join((output or "").strip().splitlines()[-3:])
+    lines = (output or "").strip().splitlines()
+    tail = "\n".join(lines[-3:] + [line for line in lines[:-3] if "watchdog: " in line])
     return status, time.perf_counter() - start, tail
 
 
-def describe(check: Check, status) -> str:
+def describe(check: Check, status, output: str = "") -> str:
     if status == "timeout":
         return "timeout: a hang counts as caught"
+    if "watchdog: " in output:
+        return f"a hang, named by the watchdog, exit {status}"
     if " verify" in f" {check.cmd}" and status == 1:
         return "verify FAIL, exit 1"
     if check.cmd.startswith("pytest") and status == 1:
@@ -257,7 +260,7 @@ def run_mutant(mutant: Mutant, checks: dict, files: list[str], workdir: Path, ti
         status, seconds, tail = run_check(checks[name], tree, timeout)
         outcome.tried.append((name, status, round(seconds, 1)))
         if status != 0:
-            outcome.status, outcome.check, outcome.how = "CAUGHT", name, describe(checks[name], status)
+            outcome.status, outcome.check, outcome.how = "CAUGHT", name, describe(checks[name], status, tail)
             break
     outcome.seconds = time.perf_counter() - start
     return outcome
