@@ -29,6 +29,8 @@ import secrets
 import shutil
 import stat
 
+from refimpl.parallel import watchdog
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -67,6 +69,7 @@ def _write_and_hash(f, write) -> tuple[str, int]:
     write(f)
     f.flush()
     os.fsync(f.fileno())
+    watchdog.progress()  # a file written: the ranks that wait meanwhile see this one alive
     f.seek(0)  # hash what is on disk, through the same descriptor (np.savez seeks while writing)
     return sha256_of(f)
 
