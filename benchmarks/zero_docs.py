@@ -9,8 +9,9 @@ Every generated block in the document sits between
     <!-- end generated -->
 
 where COMMAND is `python -m refimpl memory ...` (run in this process), `mpiexec -n N python -m
-refimpl memory ...` or `python benchmarks/zero_budget_demo.py ...` (run as subprocesses). The block
-is replaced by the command and its output in a code block. Every number in those outputs is an
+refimpl memory ...`, `python benchmarks/zero_budget_demo.py ...` or `python benchmarks/fits_demo.py`
+(run as subprocesses). The block is replaced by the command and its output in a code block.
+Every number in those outputs is an
 exact count (bytes held, bytes sent, formulas), so the page can be checked: with --check this
 script changes nothing and exits 1 if any block is out of date (tests/test_zero_docs.py runs it).
 Timings are not generated: the benchmark's measured table sits in a `<!-- measured by: ... -->`
@@ -57,10 +58,11 @@ def run_command(command: str) -> str:
         return out.getvalue()
     if argv[0] == "mpiexec" and argv[3:7] == ["python", "-m", "refimpl", "memory"]:
         cmd = [_mpiexec(), *argv[1:3], sys.executable, *argv[4:]]
-    elif argv[:2] == ["python", "benchmarks/zero_budget_demo.py"]:
+    elif argv[:2] in (["python", "benchmarks/zero_budget_demo.py"], ["python", "benchmarks/fits_demo.py"]):
         cmd = [sys.executable, *argv[1:]]
     else:
-        raise ValueError(f"cannot run {command!r}: only the memory command and benchmarks/zero_budget_demo.py")
+        raise ValueError(f"cannot run {command!r}: only the memory command, benchmarks/zero_budget_demo.py "
+                         "and benchmarks/fits_demo.py")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{command} exited {done.returncode}:\n{done.stderr[-2000:]}")

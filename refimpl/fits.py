@@ -71,11 +71,13 @@ For the MLP (units of e·b; widths w_0 = 2 features, w_1..w_L = h, w_(L+1) = K c
 holds w_0 + 2·Σ w_i + 2K, the working set is 5·max(w) + 3K, and the ledger counts
 w_0 + Σ w_i + K (+ e for the loss).
 
-On the measured configurations (tests/test_fits.py) the activation estimate is 1.4 to 3 times the
-saved-tensor peak (it includes what the graph holds that backward does not need), and the whole
-estimate is above the process's true peak as tracemalloc measures it. It is an upper bound, not a
-formula to plan with: issue 16 (tensor parallelism) derives the exact activation formula per
-tensor-parallel rank, as Korthikanti et al. (arXiv 2205.05198, section 4) do for Megatron.
+On the measured configurations (tests/test_fits.py) the activation estimate is 1.7 to 2.5 times the
+saved-tensor peak per graph held (3.9 for the MLP): it includes what the graph holds that backward
+does not need. The whole estimate is 1.4 to 2.6 times the process's true peak as tracemalloc
+measures it (NumPy's and Python's allocations), never below it. It is an upper bound for refusing
+runs, not a formula to plan with: issue 16 (tensor parallelism) derives the exact activation
+formula per tensor-parallel rank, as Korthikanti et al. (arXiv 2205.05198, section 4) do for
+Megatron.
 
 Available memory, per host: the REFIMPL_MEMORY_LIMIT environment variable if set (a size:
 2GB, 512MiB; `off` skips the check), else the least of MemAvailable in /proc/meminfo and the
@@ -222,7 +224,7 @@ class Estimate:
         self.on_device += other.on_device
 
     def describe(self) -> str:
-        text = ", ".join(f"{part} {_size(self.parts[part])}" for part in PARTS)
+        text = ", ".join(f"{part} {_size(self.parts[part])}" for part in PARTS) + f", process {_size(PROCESS_BYTES)}"
         if self.build > sum(self.parts.values()):
             text += f"; {_size(self.build)} while building the whole model"
         return text
@@ -487,21 +489,28 @@ def _message(cfg, est: Estimate, pool: int, sharing: list, everyone: list, need:
     largest = max(sharing, key=lambda r: r["pools"][pool][2])
     parts = f"rank {largest['rank']}: {largest['parts']}" if len(sharing) > 1 else largest["parts"]
     return (f"this run needs about {_size(need)} of memory on {who} ({parts}; estimated before allocating, "
-            f"refimpl/fits.py), more than the {_size(have)} available ({where}); {_advice(cfg, est, verify)}")
+            f"refimpl/fits.py), more than the {_size(have)} available ({where}); "
+            f"{_advice(cfg, est, verify, len(sharing))}")
 
 
-def _advice(cfg, est: Estimate, verify: bool) -> str:
-    """What to change, for the part of the estimate that is largest."""
+def _advice(cfg, est: Estimate, verify: bool, ranks: int) -> str:
+    """What to change, for the part of the estimate that is largest (of `ranks` ranks on one host)."""
     pipeline = cfg.pp > 1 or cfg.schedule is not None
     parts = dict(est.parts)
     parts["build"] = est.build if est.build > sum(est.parts.values()) else 0
+    parts["process"] = PROCESS_BYTES if ranks > 1 else 0  # one process cannot do without itself
     biggest = max(parts, key=parts.get)
-    if biggest == "parameters+optimizer":
+    if biggest == "process":
+        fix = f"run fewer ranks on this host: each needs about {_size(PROCESS_BYTES)} before it allocates anything"
+    elif biggest == "parameters+optimizer":
         fix = ("use a smaller --n-layer or --d-model" + (" or a smaller vocabulary (--data)" if cfg.data else "") +
                ", shard the model states with --zero 3 (or --zero 2) over more ranks on other hosts" +
                (", or --dtype mixed" if cfg.dtype == "float64" else ""))
     elif biggest == "build":
         fix = "use a smaller --n-layer or --d-model (every rank builds the whole model first), or fewer ranks per host"
+    elif biggest == "activations" and est.parts["activations"] > est.step_activations:
+        fix = (f"use a smaller --seq-len or --d-model (the held-out evaluation runs "
+               f"{EVAL_BATCH[_task_kind(cfg)]} examples at once)")
     elif biggest == "activations":
         fix = "use a smaller --batch-size, --seq-len or --n-layer, " + (
             "a schedule that holds fewer micro-batches (1f1b rather than gpipe)" if pipeline else
@@ -513,6 +522,7 @@ def _advice(cfg, est: Estimate, verify: bool) -> str:
         fix += ", or fewer --steps (verify keeps every step's parameters)" if verify else ""
     else:
         fix = "use a smaller --bucket-bytes, --prefetch or --seq-len (one causal mask of seq² bytes per layer)"
+    fix += ", or fewer ranks on this host" if ranks > 1 and biggest != "process" else ""
     return fix + f"; {LIMIT_VARIABLE}=SIZE sets the memory available (off: no check)"
 
 

@@ -146,7 +146,7 @@ def test_a_run_over_the_limit_is_refused_in_one_line(monkeypatch):
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith("this run needs about ")
-    for part in ("parameters+optimizer", "activations", "70.0 MB available", f"{LIMIT}=70MB", "--batch-size"):
+    for part in ("parameters+optimizer", "activations", "70.0 MB available", f"{LIMIT}=70MB", "--seq-len"):
         assert part in message, message
 
 

@@ -13,5 +13,5 @@ pytestmark = pytest.mark.mpi
 def test_zero_docs_are_up_to_date():
     docs = runpy.run_path(str(ROOT / "benchmarks" / "zero_docs.py"))
     current = docs["DOC"].read_text()
-    assert len(docs["doc_blocks"].BLOCK.findall(current)) == 5, "the document has its generated blocks"
+    assert len(docs["doc_blocks"].BLOCK.findall(current)) == 6, "the document has its generated blocks"
     assert docs["render"](current) == current, "run: python benchmarks/zero_docs.py"
