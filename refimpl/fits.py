@@ -24,7 +24,7 @@ micro-batch on this rank = ⌈B/(dp·g)⌉, or ⌈B/(dp·M)⌉ for a pipeline of
   buffers               transient gradient buckets and flat groups (2 groups in flight of at most
                         max(--bucket-bytes, the largest tensor)), reduce-scatter outputs (GΨ'/N),
                         ZeRO-3's gathered modules (+ --prefetch), mixed precision's float32
-                        gradients, the optimizer's temporaries (4 arrays of the largest update),
+                        gradients, the optimizer's and clipping's temporaries (5 arrays of the largest update),
                         and the GPT's causal masks (L·s² bytes: one s×s bool array per layer).
   activations           the autograd graph of the micro-batches held at once, plus the working
                         set of the one operation running (below). Data parallel: 2 graphs when
@@ -57,8 +57,8 @@ storage computes in float32; h width, a heads, V vocabulary, s sequence):
         with dropout             + 4h + 2as        masks and outputs (attention, residual, MLP)
     embedding                      2h (+ 2h)       token + position embeddings and their sum
     head                           2h + 1 + 2V     ln_f, logits, softmax probabilities
-    working set (not held)         3V + 3as + 16h  cross-entropy's temporaries, softmax's backward,
-                                                   the MLP's gelu backward (+ 4as·8/e with dropout:
+    working set (not held)         3V + 2as + 16h  cross-entropy's temporaries, softmax's backward,
+                                                   the MLP's gelu backward (+ 2as·8/e with dropout:
                                                    its float64 draws)
 
 plus the token ids (8 bytes per position) and 64 kB of Python objects per block and micro-batch.
@@ -90,6 +90,7 @@ one host that share it), the rest with the host's.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -527,7 +528,10 @@ def _advice(cfg, est: Estimate, verify: bool, ranks: int) -> str:
 
 
 def _size(nbytes: int) -> str:
-    """format_bytes, with TB and PB for the sizes a mistyped flag asks for."""
+    """format_bytes, with TB and PB for the sizes a mistyped flag asks for, and a power of ten beyond
+    (math.log10 takes a Python int of any size: no float overflow, no 4300-digit str limit)."""
+    if nbytes >= 10**18:
+        return f"10^{math.floor(math.log10(nbytes))} B"
     for unit, size in (("PB", 10**15), ("TB", 10**12)):
         if nbytes >= size:
             return f"{nbytes / size:.1f} {unit}"

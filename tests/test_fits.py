@@ -164,7 +164,8 @@ def test_the_memory_limit_variable(monkeypatch):
 
 
 HUGE = [["--n-layer", "1000000"], ["--seq-len", "10000000"], ["--batch-size", str(10**12)],
-        ["--d-model", "1000000"], ["--schedule", "gpipe", "--micro-batches", str(10**12)]]
+        ["--d-model", "1000000"], ["--schedule", "gpipe", "--micro-batches", str(10**12)],
+        ["--n-layer", str(10**30), "--batch-size", str(10**30)]]  # beyond float: Python ints throughout
 
 
 @pytest.mark.parametrize("command", ["train", "verify"])
