@@ -440,7 +440,9 @@ def _device_memory() -> tuple[str, int | None]:
 def check(cfg, task, world=None, verify: bool = False) -> Estimate:
     """Refuse, on every rank alike, a run whose ranks on some host need more memory than it has.
 
-    Collective when world has more than one rank. Returns this rank's estimate.
+    Collective when world has more than one rank: every rank sends one record of fixed size (so
+    the bytes counted for it are the same on any backend, with any figures), and every rank
+    decides from all of them. Returns this rank's estimate.
     """
     from refimpl.parallel.failure import AgreedError, agree  # noqa: PLC0415
 
@@ -453,23 +455,24 @@ def check(cfg, task, world=None, verify: bool = False) -> Estimate:
         problem = None
     except ValueError as exc:  # a bad REFIMPL_MEMORY_LIMIT: refused with the others, never alone
         available, source, problem = None, "", str(exc)
-    pools = [("host", socket.gethostname(), est.total - est.on_device, available, source)]
-    if est.on_device:
-        device, free = _device_memory()
-        pools.append((device, f"{pools[0][1]}/{device}", est.on_device, free, f"free memory of {device}"))
-    mine = {"rank": rank, "pools": pools, "parts": est.describe()}
-    everyone = [mine] if size == 1 else world.allgather_object(mine)
-    for pool, (_, key, _, _, _) in enumerate(pools):  # (kind, host or host/GPU, bytes needed, available, source)
+    device, free = _device_memory() if est.on_device else ("", None)
+    mine = _Record(rank, socket.gethostname(), device.ljust(16)[:16], _float(est.total - est.on_device),
+                   _float(available), _float(est.on_device), _float(free),
+                   *(_float(est.parts[part]) for part in PARTS), _float(est.build), _float(est.step_activations))
+    everyone = [mine] if size == 1 else [_Record(*r) for r in world.allgather_object(tuple(mine))]
+    pools = [("host", lambda r: r.host, lambda r: r.need_host, lambda r: r.available, source)]
+    if device:
+        pools.append((device, lambda r: (r.host, r.device), lambda r: r.need_device, lambda r: r.free_device,
+                      f"free memory of {device}"))
+    for kind, key, need_of, have_of, where in pools:
         if problem:
             break
-        sharing = [r for r in everyone if len(r["pools"]) > pool and r["pools"][pool][1] == key]
-        need = sum(r["pools"][pool][2] for r in sharing)
-        known = [r["pools"][pool] for r in sharing if r["pools"][pool][3] is not None]
-        if not known:
-            continue
-        _, _, _, have, where = min(known, key=lambda entry: entry[3])
-        if need > have:
-            problem = _message(cfg, est, pool, sharing, everyone, need, have, where, verify)
+        sharing = [r for r in everyone if key(r) == key(mine)]
+        need = sum(need_of(r) for r in sharing)
+        known = [have_of(r) for r in sharing if not math.isnan(have_of(r))]
+        if known and need > min(known):
+            several_hosts = len({r.host for r in everyone}) > 1
+            problem = _message(cfg, est, kind, sharing, several_hosts, need, min(known), where, verify)
     if size == 1:
         if problem:
             raise AgreedError(problem)
@@ -478,17 +481,49 @@ def check(cfg, task, world=None, verify: bool = False) -> Estimate:
     return est
 
 
-def _message(cfg, est: Estimate, pool: int, sharing: list, everyone: list, need: int, have: int, where: str,
-             verify: bool) -> str:
+@dataclass
+class _Record:
+    """What a rank tells the others: where it runs and its figures (floats: a fixed size)."""
+
+    rank: int
+    host: str
+    device: str  # the GPU, padded to 16 characters; blank without CuPy
+    need_host: float
+    available: float  # NaN when unknown
+    need_device: float
+    free_device: float
+    parameters: float
+    activations: float
+    buffers: float
+    data: float
+    build: float
+    step_activations: float
+
+    def __iter__(self):
+        return iter(vars(self).values())
+
+    def estimate(self) -> Estimate:
+        return Estimate(dict(zip(PARTS, (self.parameters, self.activations, self.buffers, self.data))), self.build,
+                        self.step_activations)
+
+
+def _float(x) -> float:
+    """A size as a float: NaN for None (unknown), inf beyond what a float holds."""
+    if x is None:
+        return math.nan
+    return float(x) if x < 10**308 else math.inf
+
+
+def _message(cfg, est: Estimate, kind: str, sharing: list, several_hosts: bool, need: float, have: float,
+             where: str, verify: bool) -> str:
     """The one line: what this host's ranks need, the largest rank's parts, what is available, what to do."""
-    kind, key = sharing[0]["pools"][pool][:2]
-    several_hosts = len({r["pools"][0][1] for r in everyone}) > 1
-    host = f"host {key.split('/')[0]}" if several_hosts else "this host"
+    host = f"host {sharing[0].host}" if several_hosts else "this host"
     who = f"{len(sharing)} ranks on {host}" if len(sharing) > 1 else host
     if kind != "host":
-        who += f" ({kind})"
-    largest = max(sharing, key=lambda r: r["pools"][pool][2])
-    parts = f"rank {largest['rank']}: {largest['parts']}" if len(sharing) > 1 else largest["parts"]
+        who += f" ({kind.strip()})"
+    largest = max(sharing, key=lambda r: r.need_device if kind != "host" else r.need_host)
+    parts = largest.estimate().describe()
+    parts = f"rank {largest.rank}: {parts}" if len(sharing) > 1 else parts
     return (f"this run needs about {_size(need)} of memory on {who} ({parts}; estimated before allocating, "
             f"refimpl/fits.py), more than the {_size(have)} available ({where}); "
             f"{_advice(cfg, est, verify, len(sharing))}")
@@ -530,9 +565,11 @@ def _advice(cfg, est: Estimate, verify: bool, ranks: int) -> str:
 def _size(nbytes: int) -> str:
     """format_bytes, with TB and PB for the sizes a mistyped flag asks for, and a power of ten beyond
     (math.log10 takes a Python int of any size: no float overflow, no 4300-digit str limit)."""
+    if nbytes == math.inf:
+        return "10^308+ B"
     if nbytes >= 10**18:
         return f"10^{math.floor(math.log10(nbytes))} B"
     for unit, size in (("PB", 10**15), ("TB", 10**12)):
         if nbytes >= size:
             return f"{nbytes / size:.1f} {unit}"
-    return format_bytes(nbytes)
+    return format_bytes(int(nbytes))

@@ -200,3 +200,20 @@ def test_the_ranks_on_one_host_are_summed():
     assert "this run needs about" in refused.stderr and "on 2 ranks on this host" in refused.stderr, refused.stderr
     assert refused.stderr.count("this run needs") == 1  # printed once, every rank refused alike
     check_ok(run_mpi(2, ["-m", "refimpl", "train", *flags], timeout=300, env={LIMIT: sum(each)}))
+
+
+def test_on_the_gpu_the_device_part_is_compared_with_the_gpus_free_memory(monkeypatch):
+    """CuPy backend: parameters, buffers and activations against the GPU's free memory, the rest
+    against the host's (a stand-in GPU here: backend.name and the free-memory query replaced)."""
+    monkeypatch.setenv(LIMIT, "off")  # the host has room
+    monkeypatch.setattr(fits.backend, "name", lambda: "cupy")
+    cfg = config()
+    task = build_task(cfg)
+    est = fits.estimate(cfg, *task_sizes(cfg, task))
+    on_device = est.parts["parameters+optimizer"] + est.parts["buffers"] + est.parts["activations"]
+    assert est.on_device == on_device
+    monkeypatch.setattr(fits, "_device_memory", lambda: ("GPU 0", on_device))
+    fits.check(cfg, task)  # exactly fits
+    monkeypatch.setattr(fits, "_device_memory", lambda: ("GPU 0", on_device - 1))
+    with pytest.raises(AgreedError, match=r"on this host \(GPU 0\) .* available \(free memory of GPU 0\)"):
+        fits.check(cfg, task)
