@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 
 from refimpl import backend, fits
+from refimpl.agreement import check_same_run
 from refimpl.autograd import no_grad, saved_tensors
 from refimpl.checkpointing import count_forward_calls
 from refimpl.console import Progress, emit_json, log
@@ -31,6 +32,7 @@ from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
 from refimpl.optim import OPTIMIZERS, clip_coefficient, clip_grad_norm_, squared_norm
 from refimpl.optim.precision import LossScaler
+from refimpl.parallel import watchdog
 
 # Per-model defaults (the demo settings); a flag given on the command line overrides them.
 DEFAULTS = {
@@ -315,17 +317,6 @@ def get_world(cfg: TrainConfig):
     return world_of(cfg.collectives)
 
 
-def check_same_config(world, cfg: TrainConfig) -> None:
-    """Every rank must run the same configuration: a clear error on every rank otherwise."""
-    if world.size == 1:
-        return
-    configs = world.allgather_object(asdict(cfg))
-    differing = sorted(k for k in configs[0] if any(c[k] != configs[0][k] for c in configs))
-    if differing:
-        raise ValueError("ranks were launched with different flags: " + ", ".join(
-            f"{k} = {[c[k] for c in configs]} (by rank)" for k in differing))
-
-
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite: training diverged (exit status 1, not a traceback).
 
@@ -356,7 +347,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     fits.check(cfg, task, world)  # refuse up front a run its hosts' memory cannot hold (refimpl/fits.py)
     model = build_model(cfg, task)
     if world is not None:
-        check_same_config(world, cfg)
+        check_same_run(world, cfg, task, model)  # the same flags, data and model on every rank
     trainer = make_trainer(cfg, model, world)
     start_step = 0
     if cfg.resume or cfg.save_dir:  # sharded checkpoints (parallel/zero/checkpoint.py)
@@ -378,6 +369,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
             x, y = task.batch(step, cfg.batch_size)
             saved_tensors.reset_peak()
             loss = trainer.step(x, y)
+            watchdog.progress()
             peak_activation_bytes = max(peak_activation_bytes, saved_tensors.peak_bytes)
             losses.append(loss)
             examples += len(x)
@@ -515,3 +507,8 @@ def run(args) -> int:
     if args.json:
         emit_json(summary)
     return 0
+
+
+def check(args) -> None:
+    """The checks every rank makes at startup, before any communication (cli.main)."""
+    config_from_args(args).check()
