@@ -33,7 +33,7 @@ How it works:
 Bound: a hang is reported at most timeout + RECHECK_S + ANSWER_S + POLL_S + LOWER_RANK_FIRST_S
 (< timeout + 10 s) after the last moment any rank made progress. When several ranks see the hang,
 the lowest one reports it and the others give it a second to do so. Cost: setting two attributes around each blocking call,
-and a thread that wakes twice a second to probe for a message (benchmarks/watchdog_overhead.py
+and a thread that wakes twice a second to probe for a message (benchmarks/bench_watchdog.py
 measures it). What it cannot do: see docs/cluster.md ("What MPI cannot guarantee").
 """
 
