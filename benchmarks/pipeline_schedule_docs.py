@@ -36,7 +36,7 @@ def run_command(command: str) -> str:
     argv = shlex.split(command)
     out = io.StringIO()
     if argv[:4] == ["python", "-m", "refimpl", "schedule"]:
-        from refimpl.parallel.pipeline import command as schedule_command
+        from refimpl.commands import schedule as schedule_command
 
         parser = argparse.ArgumentParser(prog="python -m refimpl schedule")
         schedule_command.add_arguments(parser)

@@ -48,7 +48,7 @@ def run_command(command: str) -> str:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if argv[:4] == ["python", "-m", "refimpl", "memory"]:
         sys.path.insert(0, str(ROOT))
-        from refimpl import memory_command  # noqa: PLC0415
+        from refimpl.commands import memory as memory_command  # noqa: PLC0415
 
         parser = argparse.ArgumentParser(prog="python -m refimpl memory")
         memory_command.add_arguments(parser)

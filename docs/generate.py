@@ -270,7 +270,7 @@ def picture(name: str) -> str:
     """The SVG text of docs/images/NAME.svg, rendered by the schedule command."""
     import argparse as _argparse  # noqa: PLC0415
 
-    from refimpl.parallel.pipeline import command  # noqa: PLC0415
+    from refimpl.commands import schedule as command  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{name}.svg"

@@ -21,8 +21,8 @@ from refimpl.parallel.comm import RANK_VARIABLES, existing_world  # set by mpiex
 COMMANDS = {
     "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
     "verify": ("refimpl.verify", "check a distributed run against single-process training"),
-    "schedule": ("refimpl.parallel.pipeline.command", "generate, validate, simulate and draw a pipeline schedule"),
-    "memory": ("refimpl.memory_command", "ZeRO memory per rank: the paper's estimator and the measured ledger"),
+    "schedule": ("refimpl.commands.schedule", "generate, validate, simulate and draw a pipeline schedule"),
+    "memory": ("refimpl.commands.memory", "ZeRO memory per rank: the paper's estimator and the measured ledger"),
     "consolidate": ("refimpl.parallel.zero.checkpoint", "merge a sharded checkpoint into one state dict (.npz)"),
 }
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from refimpl.parallel.pipeline import command
+from refimpl.commands import schedule as command
 
 
 def run(argv, capsys):
@@ -140,7 +140,7 @@ def test_module_entry_point_json_is_the_last_stdout_line():
 
 
 def test_schedules_need_no_mpi():
-    code = "import sys, refimpl.parallel.pipeline.command; assert 'mpi4py' not in sys.modules"
+    code = "import sys, refimpl.commands.schedule; assert 'mpi4py' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -23,13 +23,13 @@ import argparse
 import json
 from fractions import Fraction
 
-from ...console import emit_json, log
-from .actions import Overlapped, Schedule, format_rank
-from .formulas import ClosedForm, closed_form
-from .render import chrome_trace, render_png, render_svg, render_text
-from .schedules import SCHEDULES, build
-from .simulate import Costs, Timeline, simulate
-from .validate import Report, validate
+from refimpl.console import emit_json, log
+from refimpl.parallel.pipeline.actions import Overlapped, Schedule, format_rank
+from refimpl.parallel.pipeline.formulas import ClosedForm, closed_form
+from refimpl.parallel.pipeline.render import chrome_trace, render_png, render_svg, render_text
+from refimpl.parallel.pipeline.schedules import SCHEDULES, build
+from refimpl.parallel.pipeline.simulate import Costs, Timeline, simulate
+from refimpl.parallel.pipeline.validate import Report, validate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
