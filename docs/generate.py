@@ -103,10 +103,8 @@ def argv_of(command: str) -> list[str]:
     """The argument list for a documented `python ...` or `mpiexec -n N python ...` command."""
     argv = shlex.split(command)
     if argv[0] == "mpiexec":
-        from refimpl.tutorial import find_mpiexec  # noqa: PLC0415
-
         i = argv.index("python")
-        return [find_mpiexec(), *argv[1:i], sys.executable, *argv[i + 1:]]
+        return [_harness().find_mpiexec(), *argv[1:i], sys.executable, *argv[i + 1:]]
     if argv[0] == "python":
         return [sys.executable, *argv[1:]]
     raise ValueError(f"cannot run {command!r}: a documented command starts with python or mpiexec")
@@ -234,20 +232,27 @@ def render_page(text: str) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
+def _harness():
+    """The tutorials' exercise harness (tutorials/harness/), imported as the tutorials import it."""
+    if str(TUTORIALS) not in sys.path:
+        sys.path.insert(0, str(TUTORIALS))
+    import harness  # noqa: PLC0415
+
+    return harness
+
+
 def tutorial_info(path: Path) -> dict:
     """Title, launch line and exercises (function to write, and its check's title) of a tutorial."""
     import importlib  # noqa: PLC0415
 
-    from refimpl.tutorial import title as check_title  # noqa: PLC0415
-
     text = path.read_text()
     title = re.search(r"^# # (.+)$", text, re.M).group(1)
     launch = re.search(r"\*\*Launch:\*\* `([^`]+)`", text).group(1)
-    checks = {name: module for module, names in re.findall(r"^from (refimpl\.tutorial\.\w+) import (.+)$", text, re.M)
+    checks = {name: module for module, names in re.findall(r"^from (harness\.\w+) import (.+)$", text, re.M)
               for name in re.split(r",\s*", names)}
     exercises = []
     for number, check, function in re.findall(r"^ex\.check\((\d+), (\w+), (\w+)\)", text, re.M):
-        about = check_title(getattr(importlib.import_module(checks[check]), check))
+        about = _harness().title(getattr(importlib.import_module(checks[check]), check))
         exercises.append(f"{number}. `{function}`: {about}")
     return {"title": title, "launch": launch, "exercises": exercises}
 

@@ -241,8 +241,8 @@ assert all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b),
 # constants), each node once, and each node before the nodes that produced its inputs.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.autograd import check_linear_backward, check_sigmoid_backward, check_topological_order
+from harness import Exercises
+from harness.autograd import check_linear_backward, check_sigmoid_backward, check_topological_order
 
 ex = Exercises("01_autograd")
 

@@ -182,8 +182,8 @@ assert peaks[16] == 2 * peaks[8]
 # stable: subtract each row's maximum before `exp`.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.gpt import check_attention, check_count_parameters, check_cross_entropy
+from harness import Exercises
+from harness.gpt import check_attention, check_count_parameters, check_cross_entropy
 
 ex = Exercises("02_gpt")
 

@@ -16,8 +16,8 @@
 import numpy as np
 
 from refimpl.parallel import ring
-from refimpl.tutorial import last_json, run_mpi
-from refimpl.tutorial.collectives import run_ring
+from harness import last_json, run_mpi
+from harness.collectives import run_ring
 
 # %% [markdown]
 # ## 1. Why a ring
@@ -44,7 +44,7 @@ print("L = 10 over N = 4 ranks: block sizes", counts, "offsets", ring.block_offs
 #
 # refimpl writes each algorithm as a generator: it posts one step's messages
 # (`link.exchange(send=..., recv=...)`), `yield`s, and continues when they have arrived.
-# `run_ring` (in `refimpl/tutorial/collectives.py`) runs one such generator per rank on a ring
+# `run_ring` (in `tutorials/harness/collectives.py`) runs one such generator per rank on a ring
 # simulated in this process, so we can print every message. Three ranks, three elements each:
 # rank 0 holds [1, 2, 3], rank 1 ten times that, rank 2 a hundred times.
 
@@ -91,7 +91,7 @@ for N in (2, 3, 4, 6):
 # it counts the bytes each rank sends, by the same formulas. The program below runs on 4 processes
 # with L = 10 (not divisible by 4: blocks of 3, 3, 2, 2), checks the result against the sum and
 # against MPI's built-in all-reduce, and reports the counters. A notebook cannot itself run under
-# `mpiexec`, so `run_mpi` (from `refimpl/tutorial/__init__.py`) starts
+# `mpiexec`, so `run_mpi` (from `tutorials/harness/__init__.py`) starts
 # `mpiexec -n 4 python -c PROGRAM` with `subprocess`, using the `mpiexec` next to this Python.
 
 # %%
@@ -151,8 +151,8 @@ for row in last_json(done):
 # `_RingLink` has the same methods as the simulated link.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.collectives import check_allreduce_bytes, check_ring_allgather, check_ring_reduce_scatter
+from harness import Exercises
+from harness.collectives import check_allreduce_bytes, check_ring_allgather, check_ring_reduce_scatter
 
 ex = Exercises("03_collectives")
 

@@ -22,7 +22,7 @@ from refimpl.data import IGNORE, SortTask
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
-from refimpl.tutorial import last_json, run_mpi
+from harness import last_json, run_mpi
 
 # %% [markdown]
 # ## 1. The loss that makes gradients add up
@@ -160,8 +160,8 @@ for mode, extra in [("naive", []), ("bucketed", ["--bucket-bytes", "4096"])]:
 # `refimpl/parallel/data_parallel.py`, also at sizes that the model's last parameters fill exactly.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.data_parallel import check_assign_buckets, check_local_loss, check_rank_micro_batches
+from harness import Exercises
+from harness.data_parallel import check_assign_buckets, check_local_loss, check_rank_micro_batches
 
 ex = Exercises("04_data_parallel")
 

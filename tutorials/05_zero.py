@@ -26,7 +26,7 @@ import numpy as np
 from refimpl.nn import GPT, GPTConfig
 from refimpl.optim import AdamW
 from refimpl.parallel.zero.flat import FlatGroup
-from refimpl.tutorial import last_json, run_mpi
+from harness import last_json, run_mpi
 
 # %% [markdown]
 # ## 1. Where the memory goes
@@ -228,8 +228,8 @@ for stage in (0, 3):
 # runs three steps against AdamW on the whole buffer and requires the same bits.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.zero import check_model_state_bytes, check_shard_bounds, check_sharded_update
+from harness import Exercises
+from harness.zero import check_model_state_bytes, check_shard_bounds, check_sharded_update
 
 ex = Exercises("05_zero")
 

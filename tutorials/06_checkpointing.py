@@ -141,7 +141,7 @@ for plan in ("none", "sqrt", "every:1", "revolve:2"):
 # checkpointing its blocks with `sqrt`, against one process without checkpointing:
 
 # %%
-from refimpl.tutorial import last_json, run_mpi
+from harness import last_json, run_mpi
 
 FLAGS = ["--model", "gpt", "--n-layer", "4", "--d-model", "16", "--seq-len", "8", "--batch-size", "8", "--steps", "2"]
 result = last_json(run_mpi(2, "-m", "refimpl", "verify", *FLAGS, "--checkpoint", "sqrt", "--json"))
@@ -172,8 +172,8 @@ assert result["ok"]
 
 # %%
 from refimpl.checkpointing.actions import Advance, Backprop, Free, Record, Restore, Snapshot  # noqa: F401 - exercise 3
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.checkpointing import check_every_k_schedule, check_revolve_extra, check_sqrt_cost
+from harness import Exercises
+from harness.checkpointing import check_every_k_schedule, check_revolve_extra, check_sqrt_cost
 
 ex = Exercises("06_checkpointing")
 

@@ -133,7 +133,7 @@ print(f"an SVG of {len(svg)} characters; python -m refimpl schedule 1f1b --pp 4 
 # with one process:
 
 # %%
-from refimpl.tutorial import last_json, run_mpi
+from harness import last_json, run_mpi
 
 FLAGS = ["--model", "gpt", "--n-layer", "4", "--d-model", "16", "--seq-len", "8", "--batch-size", "8", "--steps", "2"]
 result = last_json(run_mpi(4, "-m", "refimpl", "verify", *FLAGS, "--pp", "4", "--schedule", "1f1b", "--json"))
@@ -158,8 +158,8 @@ assert result["ok"]
 # it with the simulator for pp up to 6 and m up to 12.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.schedules import check_bubble_fraction, check_gpipe, check_one_f_one_b
+from harness import Exercises
+from harness.schedules import check_bubble_fraction, check_gpipe, check_one_f_one_b
 
 ex = Exercises("07_pipeline_schedules")
 

@@ -123,7 +123,7 @@ for F_, I_, W_ in [(1, 1, 1), (2, 1, 1), (1, 2, 1)]:
 # their gradients summed before the optimizer step. `verify` compares the result with one process:
 
 # %%
-from refimpl.tutorial import last_json, run_mpi
+from harness import last_json, run_mpi
 
 FLAGS = ["--model", "gpt", "--n-layer", "4", "--d-model", "16", "--seq-len", "8", "--batch-size", "8", "--steps", "2"]
 result = last_json(run_mpi(4, "-m", "refimpl", "verify", *FLAGS, "--pp", "4", "--schedule", "dualpipe",
@@ -150,8 +150,8 @@ assert result["ok"]
 # activations with refimpl's `zb1p`.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.schedules import check_peak_activations, check_zb1p_idle, check_zb_h1
+from harness import Exercises
+from harness.schedules import check_peak_activations, check_zb1p_idle, check_zb_h1
 
 ex = Exercises("08_zero_bubble")
 

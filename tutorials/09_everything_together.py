@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from refimpl.parallel.pipeline import Costs, build, simulate
-from refimpl.tutorial import last_json, run_mpi
+from harness import last_json, run_mpi
 
 # %% [markdown]
 # ## 1. The grid
@@ -150,8 +150,8 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp
 # pipeline ranks p and pp − 1 − p of every replica hold the same two stages.
 
 # %%
-from refimpl.tutorial import Exercises
-from refimpl.tutorial.composition import check_gradient_group, check_mesh_coordinates, check_stage_layers
+from harness import Exercises
+from harness.composition import check_gradient_group, check_mesh_coordinates, check_stage_layers
 
 ex = Exercises("09_everything_together")
 

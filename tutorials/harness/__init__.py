@@ -1,12 +1,12 @@
-"""Exercises for the tutorials in tutorials/: stubs, reference solutions and checks.
+"""The tutorials' exercise harness: stubs, reference solutions and checks.
 
 Every tutorial ends with exercises. An exercise is a function whose body the student writes (it
 starts as a stub that raises NotImplementedError) and a check, in one of this package's modules,
 that runs the student's function on small inputs and compares it with refimpl's own
 implementation. In a tutorial:
 
-    from refimpl.tutorial import Exercises
-    from refimpl.tutorial.collectives import check_ring_allgather
+    from harness import Exercises
+    from harness.collectives import check_ring_allgather
 
     ex = Exercises("03_collectives")
 
@@ -32,6 +32,13 @@ fail.
 
 Checks raise `Wrong` with a sentence that says what was expected; `run_check` turns that, a
 NotImplementedError, or any other exception from the student's code, into a `Result`.
+
+Where it lives. The harness sits beside the tutorials (tutorials/harness/), not in the refimpl
+package: it exists only for them, and it reads the reference solutions from the source checkout
+(tutorials/solutions/). `python tutorials/NN_name.py` puts tutorials/ first on sys.path, and a
+notebook opened in tutorials/ runs there, so `import harness` finds it; tests/test_tutorials.py
+and docs/generate.py add tutorials/ to sys.path themselves. The checks import refimpl like any
+other user of the library.
 """
 
 from __future__ import annotations
@@ -46,8 +53,10 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import refimpl
+
 ENV = "REFIMPL_TUTORIAL_SOLUTIONS"
-REPO = Path(__file__).resolve().parents[2]
+TUTORIALS = Path(__file__).resolve().parents[1]
 
 
 class Wrong(AssertionError):
@@ -56,7 +65,7 @@ class Wrong(AssertionError):
 
 def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e-12) -> None:
     """Raise Wrong unless `got` has `expected`'s shape and values (float64 tolerances by default)."""
-    import numpy as np  # noqa: PLC0415 - keep `import refimpl.tutorial` light
+    import numpy as np  # noqa: PLC0415 - keep `import harness` light
 
     if got is None:
         raise Wrong(f"{what}: got None")
@@ -85,18 +94,19 @@ def solutions_dir() -> Path | None:
     value = os.environ.get(ENV, "")
     if value in ("", "0"):
         return None
-    path = REPO / "tutorials" / "solutions" if value == "1" else Path(value)
+    path = TUTORIALS / "solutions" if value == "1" else Path(value)
     if not path.is_dir():
         raise FileNotFoundError(f"{ENV}={value}: no solutions directory at {path}")
     return path
 
 
 def _student_frame(exc: BaseException) -> str:
-    """'file:line in function' of the innermost frame of the student's code: outside refimpl if there
-    is one (the error surfaced in a library function the student called), else outside the checks."""
+    """'file:line in function' of the innermost frame of the student's code: outside refimpl and the
+    harness if there is one (the error surfaced in a library function the student called), else
+    outside the checks."""
     frames = traceback.extract_tb(exc.__traceback__)
-    package, checks = str(Path(__file__).parents[1]), str(Path(__file__).parent)
-    frames = [f for f in frames if not f.filename.startswith(package)] or [
+    package, checks = str(Path(refimpl.__file__).parent), str(Path(__file__).parent)
+    frames = [f for f in frames if not f.filename.startswith((package, checks))] or [
         f for f in frames if not f.filename.startswith(checks)]
     if not frames:
         return ""
