@@ -25,7 +25,7 @@ import time
 
 from refimpl.console import log
 from refimpl.parallel.comm import get_world
-from refimpl.parallel.data_parallel import DataParallelTrainer
+from refimpl.parallel.trainer import Trainer
 from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
 
 
@@ -56,10 +56,10 @@ def main() -> None:
 
     def trainer(kind: str):
         model = build_model(cfg, task)
-        opt = build_optimizer(cfg, model.parameters())
         if kind == "local":
-            return LocalTrainer(model, opt)
-        return DataParallelTrainer(model, opt, world, mode=kind, bucket_bytes=args.bucket_bytes)
+            return LocalTrainer(model, build_optimizer(cfg, model.parameters()))
+        return Trainer(model, lambda params: build_optimizer(cfg, params), world, dp_mode=kind,
+                       bucket_bytes=args.bucket_bytes)
 
     local_batch = args.batch_size // world.size  # the local run trains on one rank's slice
     t_local = median_step_time(trainer("local"), task, local_batch, args.repeats, world)
@@ -67,8 +67,8 @@ def main() -> None:
     bucketed = trainer("bucketed")
     t_bucketed = median_step_time(bucketed, task, args.batch_size, args.repeats, world)
     exposed = t_naive - t_local
-    result = {"world_size": world.size, "n_params": bucketed.model.num_parameters(),
-              "buckets": len(bucketed.buckets.groups), "t_local_s": t_local, "t_naive_s": t_naive,
+    result = {"world_size": world.size, "n_params": build_model(cfg, task).num_parameters(),
+              "buckets": sum(len(b.groups) for b in bucketed.sharding.buckets.values()), "t_local_s": t_local, "t_naive_s": t_naive,
               "t_bucketed_s": t_bucketed, "exposed_comm_s": exposed,
               "hidden_fraction": (t_naive - t_bucketed) / exposed if exposed > 0 else None}
     if world.rank == 0:

@@ -32,7 +32,7 @@ from fractions import Fraction
 from refimpl.console import log
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline import Costs, build
-from refimpl.parallel.pipeline.trainer import PipelineTrainer
+from refimpl.parallel.trainer import Trainer
 from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
 
 
@@ -42,8 +42,8 @@ def run_schedule(name: str, world, args, costs: Costs) -> dict:
     task = build_task(cfg)
     stages = build(name, args.pp, args.micro_batches).num_stages
     scaled = costs.scaled(Fraction(args.pp, stages))
-    trainer = PipelineTrainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), world, args.pp, name,
-                              args.micro_batches, action_costs=scaled)
+    trainer = Trainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), world, pp=args.pp, schedule=name,
+                      micro_batches=args.micro_batches, action_costs=scaled)
     rows = []
     for step in range(args.steps + 1):
         x, y = task.batch(step, args.batch_size)

@@ -43,7 +43,7 @@ def mixed_tolerance(world_size: int, grad_accum: int) -> dict:
     partial gradients cancel (an output bias, whose per-example gradients sum to nearly zero).
 
     The master weights are compared *in lockstep*: before each step the reference takes the
-    distributed run's master weights, optimizer state and loss scale (ZeroTrainer.full_optimizer_state),
+    distributed run's master weights, optimizer state and loss scale (Trainer.full_optimizer_state, parallel/trainer.py),
     so each step's difference comes from that step's gradients alone and does not compound
     (AdamW turns a sign flip of a near-zero gradient into a 2·lr difference, which an independent
     run would then carry and amplify). From the same state, an update differs by at most the

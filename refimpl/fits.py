@@ -311,8 +311,10 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
             psi_rank = min(psi, held * (layers * _layer_parameters(cfg) + ends))
         else:  # the MLP: bounded by the whole model
             layers, psi_rank = cfg.n_layer, psi
-        if cfg.zero == 1:  # pipeline/zero1.py: flat copies of the stages' parameters, whole gradients, K/dp
+        if cfg.zero >= 1:  # flat copies of the stages' parameters, whole gradients, K/dp (ZeRO-2/3 hold less)
             states = (p + g) * psi_rank + _ceil_div(k * psi_rank, dp)
+        elif mixed:  # ZeRO-0's flat buffers: parameters, gradients, float32 master weights and states, whole
+            states = (p + g + k) * psi_rank
         else:
             states = (g + k) * psi_rank
         parts["parameters+optimizer"] = p * psi + states  # + the whole model every rank built
@@ -325,11 +327,11 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
         parts["data"] = SCHEDULE_ENTRY_BYTES * stages * micro_batches
     else:
         stage, n = cfg.zero, world_size
-        if stage or mixed:  # the ZeRO trainers (mixed precision needs their master weights)
+        if stage or mixed:  # a ZeRO strategy (mixed precision needs its master weights)
             persistent = count((m, c) for m, c in tensors if m < cfg.param_threshold) if stage == 3 else 0
             parts["parameters+optimizer"] = model_state_bytes(stage, _round_up(padded, n), n, p, g, k,
                                                               _round_up(persistent, n))
-        else:  # LocalTrainer or DataParallelTrainer: everything whole
+        else:  # LocalTrainer or DDP: everything whole
             parts["parameters+optimizer"] = (p + g + k) * psi
         shard = _ceil_div(padded, n) if stage else padded
         buffers = 2 * group + 5 * state * update + masks  # in flight; optimizer and clipping temporaries

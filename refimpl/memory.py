@@ -183,8 +183,10 @@ class MemoryLedger:
             f"{need} in all, over the budget of {cap} (--mem-budget); held: {held or 'nothing'}")
 
 
-def track_replicated(model, optimizer, budget: int | None = None, rank: int = 0) -> MemoryLedger:
+def track_replicated(params, optimizer, budget: int | None = None, rank: int = 0) -> MemoryLedger:
     """A ledger for a trainer that keeps everything whole on every rank (single process or DDP).
+
+    The caller checks the activations against the budget after each forward (ledger.check_activations).
 
     Registers each parameter's array, each gradient (allocating zeros where backward has not yet
     created one: accumulation then adds into it, the same numbers), and the optimizer's state
@@ -202,7 +204,6 @@ def track_replicated(model, optimizer, budget: int | None = None, rank: int = 0)
             seen.add(id(base))
             ledger.register(category, base, what)
 
-    params = model.parameters()
     for p in params:
         count("parameters", p.data, "the whole model")
     for p in params:
@@ -213,7 +214,6 @@ def track_replicated(model, optimizer, budget: int | None = None, rank: int = 0)
         for value in state.values():
             if hasattr(value, "nbytes"):
                 count("optimizer_states", value, "whole optimizer state")
-    model.register_forward_hook(lambda module, args, output: ledger.check_activations())
     return ledger
 
 

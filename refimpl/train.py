@@ -108,10 +108,6 @@ class TrainConfig:
                 raise ValueError("--checkpoint applies to the GPT's transformer blocks; use it with --model gpt")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"unknown ZeRO stage {self.zero!r}; choose --zero 0 (data parallel), 1, 2 or 3")
-        if (self.zero > 1 or self.dtype == "mixed" or self.save_dir or self.resume) and (self.pp > 1 or self.schedule):
-            raise ValueError("--zero 2/3, --dtype mixed and sharded checkpoints do not combine with pipeline "
-                             "parallelism yet (--zero 1 does: optimizer states sharded over each stage's "
-                             "data-parallel group)")
         for name in ("prefetch", "param_threshold", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -191,7 +187,7 @@ class LocalTrainer:
 
     world_size, rank = 1, 0
 
-    def __init__(self, model, optimizer, grad_accum: int = 1, clip: float = 0.0) -> None:
+    def __init__(self, model, optimizer, grad_accum: int = 1, clip: float = 0.0, budget: int | None = None) -> None:
         self.model, self.optimizer, self.grad_accum, self.clip = model, optimizer, grad_accum, clip
         self.record_grads = False
         self.last_grads: dict = {}
@@ -201,6 +197,8 @@ class LocalTrainer:
         if self.scaler is not None:  # float32 master weights and their optimizer state
             self.masters = [p.data.astype("float32") for p in self.params]
             self.states = [optimizer.init_state(m) for m in self.masters]
+        self.ledger = track_replicated(self.params, optimizer, budget)  # memory by category (memory.py)
+        model.register_forward_hook(lambda module, args, output: self.ledger.check_activations())
 
     def step(self, x, y) -> float:
         """Forward and backward over grad_accum micro-batches, clip, step, zero grads; return the loss."""
@@ -240,7 +238,7 @@ class LocalTrainer:
         self.scaler.update(overflow)
 
     def load_mixed_state(self, masters: dict, optimizer_state: dict) -> None:
-        """Take another run's master weights, optimizer state and loss scale (ZeroTrainer.full_optimizer_state)."""
+        """Take another run's master weights, optimizer state and loss scale (Trainer.full_optimizer_state, parallel/trainer.py)."""
         for (name, p), master, state in zip(self.model.named_parameters(), self.masters, self.states):
             master[...] = backend.asarray(masters[name]).reshape(master.shape)
             p.data[...] = master
@@ -264,6 +262,35 @@ class LocalTrainer:
             return {}
         return {"precision": "mixed", "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
 
+    # -- sharded checkpoints (parallel/zero/checkpoint.py): one process holds the whole state -----
+    @property
+    def optimizer_steps(self) -> int:
+        states = self.states if self.scaler is not None else self.optimizer.state
+        return int(states[0]["step"]) if states else 0
+
+    def checkpoint_pieces(self) -> list:
+        """[(name, 0, numel, {"master": array, state key: array})] of every parameter."""
+        masters = self.masters if self.scaler is not None else [p.data for p in self.params]
+        states = self.states if self.scaler is not None else self.optimizer.state
+        pieces = []
+        for (name, p), master, state in zip(self.model.named_parameters(), masters, states):
+            arrays = {"master": backend.to_host(master).reshape(-1)}
+            arrays.update({k: backend.to_host(v).reshape(-1) for k, v in state.items() if hasattr(v, "nbytes")})
+            pieces.append((name, 0, p.size, arrays))
+        return pieces
+
+    def load_full_state(self, masters: dict, states: dict, step: int) -> None:
+        own = self.states if self.scaler is not None else self.optimizer.state
+        for i, ((name, p), state) in enumerate(zip(self.model.named_parameters(), own)):
+            master = self.masters[i] if self.scaler is not None else p.data
+            master[...] = backend.asarray(masters[name].reshape(p.shape), dtype=master.dtype)
+            if master is not p.data:
+                p.data[...] = master
+            for key, value in state.items():
+                if hasattr(value, "nbytes"):
+                    value[...] = backend.asarray(states[key][name].reshape(value.shape), dtype=value.dtype)
+            state["step"] = step
+
 
 @no_grad()
 def evaluate(model, task) -> tuple[float, float]:
@@ -278,36 +305,26 @@ def evaluate(model, task) -> tuple[float, float]:
 
 
 def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None = None):
-    """The trainer for this run: LocalTrainer in one process, DataParallelTrainer over `world`.
+    """The trainer for this run: LocalTrainer in one process, else the one distributed Trainer.
 
     distributed=None chooses by the world's size; verify forces True so that even a world of one
-    process runs the distributed code path.
+    process runs the distributed code path. Pipelines, ZeRO and mixed precision always take it
+    (in one process over a one-rank world).
     """
-    if cfg.pp > 1 or cfg.schedule is not None:  # pipeline parallel (with dp = world size / pp)
-        from refimpl.parallel.pipeline.trainer import PipelineTrainer  # noqa: PLC0415
+    layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed"
+    if not layered and (world is None or (distributed is None and world.size == 1) or distributed is False):
+        if cfg.checkpoint != "none":
+            from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415
 
-        return PipelineTrainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg), cfg.pp,
-                               cfg.schedule or "1f1b", cfg.micro_batches, cfg.chunks, cfg.clip,
-                               cfg.checkpoint, cfg.action_costs, cfg.trace, cfg.grad_accum, cfg.zero, cfg.bucket_bytes)
-    if cfg.checkpoint != "none":
-        from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415
+            apply_to_gpt(model, cfg.checkpoint)
+        return LocalTrainer(model, build_optimizer(cfg, model.parameters()), cfg.grad_accum, cfg.clip, cfg.mem_budget)
+    from refimpl.parallel.trainer import Trainer  # noqa: PLC0415
 
-        apply_to_gpt(model, cfg.checkpoint)
-    if cfg.zero or cfg.dtype == "mixed":  # ZeRO stages (mixed precision needs ZeRO's master weights)
-        from refimpl.parallel.zero import make_zero_trainer  # noqa: PLC0415
-
-        return make_zero_trainer(cfg.zero, model, build_optimizer(cfg, []), world, precision=cfg.dtype,
-                                 grad_accum=cfg.grad_accum, clip=cfg.clip, bucket_bytes=cfg.bucket_bytes,
-                                 budget=cfg.mem_budget, prefetch_bytes=cfg.prefetch, param_threshold=cfg.param_threshold)
-    optimizer = build_optimizer(cfg, model.parameters())
-    if world is None or (distributed is None and world.size == 1) or distributed is False:
-        trainer = LocalTrainer(model, optimizer, cfg.grad_accum, cfg.clip)
-    else:
-        from refimpl.parallel.data_parallel import DataParallelTrainer  # noqa: PLC0415
-
-        trainer = DataParallelTrainer(model, optimizer, world, cfg.grad_accum, cfg.clip, cfg.dp_mode, cfg.bucket_bytes)
-    trainer.ledger = track_replicated(model, optimizer, cfg.mem_budget, trainer.rank)  # memory by category
-    return trainer
+    return Trainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg),
+                   pp=cfg.pp, schedule=cfg.schedule, micro_batches=cfg.micro_batches, chunks=cfg.chunks,
+                   grad_accum=cfg.grad_accum, zero=cfg.zero, dp_mode=cfg.dp_mode, bucket_bytes=cfg.bucket_bytes,
+                   prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
+                   checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace)
 
 
 def get_world(cfg: TrainConfig):
@@ -321,8 +338,8 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite: training diverged (exit status 1, not a traceback).
 
     `train` decides it on the step's global loss, which every trainer has already reduced over all
-    ranks for reporting (DataParallelTrainer and the ZeRO trainers with allreduce_value; a
-    pipeline's last stages contribute it and the other ranks 0). So every rank holds the same
+    ranks for reporting (parallel/trainer.py, with allreduce_value: a pipeline's last stages
+    contribute it and the other ranks 0). So every rank holds the same
     number and raises at the same step, at no extra communication: like failure.AgreedError,
     nobody is left waiting in a collective, and the train command prints the message once and
     exits 1 on every rank, without MPI_Abort. (Whether a sum is finite does not depend on the
@@ -380,9 +397,11 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
             if cfg.save_dir:
                 sharded.maybe_save(trainer, model, cfg, step + 1, world)
         elapsed = time.perf_counter() - start
-    if hasattr(trainer, "gather_model"):  # the model lives in parts on several ranks (pipeline)
-        trainer.gather_model(model)
-    eval_loss, acc = evaluate(model, task)
+    if isinstance(trainer, LocalTrainer):
+        evaluated = model
+    else:  # a pipeline's model lives in parts on several ranks: rank 0 evaluates it whole
+        evaluated = trainer.model_for_evaluation(model, lambda: build_model(cfg, task))
+    eval_loss, acc = evaluate(evaluated, task) if evaluated is not None else (None, None)
     summary = {
         "ok": True,  # False, with "error" and "diverged_at_step", when the loss became NaN or infinite (run)
         "model": cfg.model,
@@ -420,7 +439,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="global batch size, split over ranks and micro-batches")
     p.add_argument("--lr", type=float, help="learning rate (gpt 3e-3, mlp 1e-2)")
     p.add_argument("--dtype", default="float32", help="float32, float64 or mixed (float16 storage, float32 master "
-                   "weights, loss scaling; needs the ZeRO trainers) (default float32)")
+                   "weights, loss scaling; on ZeRO's sharded optimizer, --zero 0 included) (default float32)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument("--n-layer", type=int, help="transformer blocks, or MLP hidden layers (default 2)")
     p.add_argument("--d-model", type=int, help="model width (default 64)")

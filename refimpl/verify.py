@@ -53,12 +53,11 @@ from refimpl.compare_mixed import compare_mixed_step, mixed_tolerance, partial_g
 from refimpl.agreement import check_same_run
 from refimpl.console import emit_json, log
 from refimpl.parallel import watchdog
+from refimpl.trainer_protocol import Verifiable, missing
 from refimpl.train import LocalTrainer, add_arguments as add_train_arguments, build_model, build_optimizer, \
     build_task, config_from_args, get_world, make_trainer
 
 DEFAULT_STEPS = 3
-# What verify reads and sets on a trainer (docs/verify_your_algorithm.md, "The trainer interface").
-PROTOCOL = ("step", "full_parameters", "record_grads", "last_grads", "world_size", "rank", "report")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,28 +109,39 @@ def load_trainer_factory(spec: str):
     return factory
 
 
-def build_trainer(cfg, world, factory=None):
-    """The distributed trainer for cfg on world (refimpl's own, or factory(cfg, model, world))."""
-    model = build_model(cfg, build_task(cfg))
+def build_trainer(cfg, world, factory=None, model=None):
+    """The distributed trainer for cfg on world (refimpl's own, or factory(cfg, model, world)) of
+    `model` (default: built from cfg)."""
+    model = build_model(cfg, build_task(cfg)) if model is None else model
     if factory is None:
         return make_trainer(cfg, model, world, distributed=True)
     trainer = factory(cfg, model, world)
-    missing = [name for name in PROTOCOL if not hasattr(trainer, name)]
-    if missing:
-        raise ValueError(f"--trainer: {type(trainer).__name__} lacks {', '.join(missing)} of the trainer protocol "
-                         f"({', '.join(PROTOCOL)}; docs/verify_your_algorithm.md)")
+    lacking = missing(trainer, Verifiable)
+    if lacking:
+        raise ValueError(f"--trainer: {type(trainer).__name__} lacks {', '.join(lacking)} of the trainer protocol "
+                         f"(refimpl/trainer_protocol.py, Verifiable; docs/verify_your_algorithm.md)")
     return trainer
 
 
 # -- one configuration ---------------------------------------------------------------------------
 
-def _inject_inf(model):
-    """Put an inf into the last parameter's gradient on its way in (the overflow test)."""
+class _InjectInf:
+    """Put an inf into the gradients of `params` on their way in (the overflow test): the reference
+    into its last parameter's, the distributed run into those of every parameter the last rank holds
+    (in a pipeline it holds only some), so that both sides see an overflow in the same step."""
+
+    def __init__(self, params) -> None:
+        self.handles = [p.register_hook(self.with_inf) for p in params]
+
+    @staticmethod
     def with_inf(grad):
         grad = grad.copy()
         grad.reshape(-1)[0] = np.inf
         return grad
-    return model.parameters()[-1].register_hook(with_inf)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _skipped(trainer) -> int:
@@ -155,7 +165,11 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} must be a finite number >= 0, got {value}; leave it out for the dtype's "
                              f"default tolerance")
-    tol = mixed_tolerance(world.size, cfg.grad_accum) if mixed else None
+    if cfg.pp > 1 or cfg.schedule is not None:  # the batch's pieces: dp replicas x M pipeline micro-batches
+        pieces = (world.size // cfg.pp, cfg.micro_batches or 2 * cfg.pp)
+    else:
+        pieces = (world.size, cfg.grad_accum)
+    tol = mixed_tolerance(*pieces) if mixed else None
     if mixed and (rtol is not None or atol is not None):
         raise ValueError("--rtol and --atol set float32/float64 tolerances; mixed precision's follow from float16 "
                          "rounding (compare_mixed.mixed_tolerance)")
@@ -164,17 +178,19 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         atol = TOLERANCES[cfg.dtype][1] if atol is None else atol
     task = build_task(cfg)
     fits.check(cfg, task, world, verify=True)  # before any model is built: rank 0 also holds the reference
-    check_same_run(world, cfg, task, build_model(cfg, task))  # the same flags, data and model on every rank
+    distributed_model = build_model(cfg, task)
+    check_same_run(world, cfg, task, distributed_model)  # the same flags, data and model on every rank
     comm = world.with_collectives(cfg.collectives)
 
     # 1. The distributed run, recording what rank 0 needs for the comparison.
-    trainer = build_trainer(cfg, comm, factory)
+    trainer = build_trainer(cfg, comm, factory, distributed_model)
     trainer.record_grads = True
     recorded = []
     for step in range(cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
         skipped_before = _skipped(trainer)
-        hook = _inject_inf(trainer.model) if step == inject_overflow and world.rank == world.size - 1 else None
+        hook = _InjectInf(distributed_model.parameters()) if step == inject_overflow and world.rank == world.size - 1 \
+            else None
         loss = trainer.step(x, y)
         if hook is not None:
             hook.remove()
@@ -199,7 +215,7 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
             magnitudes = partial_gradient_magnitudes(reference, x, y, tol["k"]) if mixed else None
             scale = reference.scaler.scale if mixed else None  # this step's loss scale
             skipped_before = _skipped(reference)
-            hook = _inject_inf(model) if step == inject_overflow else None
+            hook = _InjectInf(model.parameters()[-1:]) if step == inject_overflow else None
             ref_loss = reference.step(x, y)
             watchdog.progress()  # the other ranks wait meanwhile: this rank is alive
             if hook is not None:

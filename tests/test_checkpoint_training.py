@@ -7,14 +7,14 @@ from refimpl.checkpointing import apply_to_gpt, count_forward_calls, revolve
 from refimpl.nn import GPT, GPTConfig
 from refimpl.optim import AdamW
 from refimpl.parallel.comm import LocalComm
-from refimpl.parallel.data_parallel import DataParallelTrainer
+from refimpl.parallel.trainer import Trainer
 
 
 def _train(plan, mode):
     model = GPT(GPTConfig(vocab_size=11, seq_len=8, n_layer=4, n_head=2, d_model=16, dropout=0.1), seed=2)
     apply_to_gpt(model, plan)
-    trainer = DataParallelTrainer(model, AdamW(model.parameters(), lr=1e-2), LocalComm(), grad_accum=2,
-                                  mode=mode, bucket_bytes=2000)
+    trainer = Trainer(model, lambda params: AdamW(params, lr=1e-2), LocalComm(), grad_accum=2, dp_mode=mode,
+                      bucket_bytes=2000)
     x = np.random.default_rng(0).integers(0, 11, (4, 8))
     with count_forward_calls(model.blocks) as counter:
         losses = [trainer.step(x, x) for _ in range(3)]

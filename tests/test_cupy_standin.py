@@ -93,8 +93,8 @@ def test_gpu_check_passes_on_the_standin(tmp_path):
     assert figures["ok"] and all(step["exit"] == 0 for step in figures["steps"].values()), figures
     assert "passed" in figures["gpu_tests"] and "failed" not in figures["gpu_tests"]
     assert "skipped" not in figures["gpu_tests"], figures["gpu_tests"]  # REFIMPL_REQUIRE_GPU=1: none may skip
-    for name, trainer in (("verify_dp", "DataParallelTrainer"), ("verify_zero3", "Stage3Trainer")):
-        assert figures[name]["ok"] and figures[name]["backend"] == "cupy" and figures[name]["trainer"] == trainer
+    for name, trainer in (("verify_dp", "DataParallel"), ("verify_zero3", "ZeroStage3")):
+        assert figures[name]["ok"] and figures[name]["backend"] == "cupy" and figures[name]["strategy"] == trainer
     bench = figures["bench"]
     assert bench["machine"]["cupy"].endswith("cpu.stand.in") and "stand-in" in bench["machine"]["gpu"]
     assert bench["results"][0]["loss_rel_diff"] == 0.0  # the same NumPy arithmetic underneath

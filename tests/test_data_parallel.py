@@ -71,13 +71,12 @@ def test_verify_fails_loudly_when_the_distributed_run_is_wrong(tmp_path):
     script.write_text(
         "import sys\n"
         "from refimpl.parallel import data_parallel\n"
-        "original = data_parallel.DataParallelTrainer.step\n"
-        "def step(self, x, y):\n"
-        "    loss = original(self, x, y)\n"
-        "    for p in self.model.parameters():\n"
+        "original = data_parallel.DataParallel.end_step\n"
+        "def end_step(self, result):\n"
+        "    original(self, result)\n"
+        "    for p in self.params:\n"
         "        p.data *= 1.0 + 1e-6  # a tiny, systematic error\n"
-        "    return loss\n"
-        "data_parallel.DataParallelTrainer.step = step\n"
+        "data_parallel.DataParallel.end_step = end_step\n"
         "from refimpl.cli import main\n"
         "sys.exit(main(['verify', '--model', 'mlp', '--dtype', 'float64', '--json']))\n")
     done = run_mpi(2, [script], timeout=300)

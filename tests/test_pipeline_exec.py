@@ -21,7 +21,7 @@ from refimpl.parallel.pipeline import timeline as tl
 from refimpl.parallel.pipeline.executor import RunRecord, StepTime, channel_tag, replay_peak
 from refimpl.parallel.pipeline.render import step_label
 from refimpl.parallel.pipeline.stage import split_model, stage_sizes
-from refimpl.parallel.pipeline.trainer import PipelineTrainer
+from refimpl.parallel.trainer import Trainer
 from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
 from refimpl.compare import compare_arrays
 
@@ -111,7 +111,7 @@ def test_every_channel_carries_its_messages_in_the_order_the_receiver_takes_them
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
 def test_one_process_pipeline_equals_local_training(name, m, model):
     cfg, task, net = small(model, 4, batch_size=2 * m, clip=0.5)
-    trainer = PipelineTrainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), 1, name, m, clip=cfg.clip)
+    trainer = Trainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), schedule=name, micro_batches=m, clip=cfg.clip)
     ref_model = build_model(cfg, task)
     reference = LocalTrainer(ref_model, build_optimizer(cfg, ref_model.parameters()), 1, cfg.clip)
     trainer.record_grads = reference.record_grads = True
@@ -131,12 +131,12 @@ def test_one_process_pipeline_equals_local_training(name, m, model):
         assert report["peak_activation_bytes"] <= report["replayed_peak_bytes_freed_at_w"]
 
 
-def test_gather_model_loads_every_stage_into_the_model():
+def test_the_model_for_evaluation_holds_every_stage():
     cfg, task, net = small("gpt", 4, batch_size=4)
-    trainer = PipelineTrainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), 1, "zbv", 2)
+    trainer = Trainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), schedule="zbv", micro_batches=2)
     trainer.step(*task.batch(0, 4))
-    other = build_model(cfg, task)
-    trainer.gather_model(other)
+    other = trainer.model_for_evaluation(net, lambda: build_model(cfg, task))
+    assert other is not net
     mine, theirs = other.state_dict(), net.state_dict()
     assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
@@ -209,7 +209,7 @@ def test_action_costs_parse_and_refuse_bad_values():
 
 def test_an_overlapped_step_records_its_two_actions_inside_it():
     cfg, task, net = small("gpt", 4, batch_size=8)
-    trainer = PipelineTrainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), 1, "dualpipev", 4, trace=None)
+    trainer = Trainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), schedule="dualpipev", micro_batches=4)
     x, y = task.batch(0, 8)
     micro = [(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) for i in range(4)]
 

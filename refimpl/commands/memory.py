@@ -152,14 +152,16 @@ def _measure(args, precision: str) -> int:
         trainer.step(x, y)
         sent = {kind: c for kind, c in world.counters.since(before).items()
                 if kind in ("allreduce", "reduce_scatter", "allgather")}
-        padded = getattr(trainer, "padded_numel", psi)
-        persistent = sum(gr.length for gr in trainer.groups if gr.index not in trainer.unit_of) if stage == 3 else 0
+        sharding = trainer.sharding  # DDP (data_parallel.py) or a ZeRO stage (zero/)
+        groups = getattr(sharding, "groups", [])  # ZeRO's flat groups
+        padded = getattr(sharding, "padded_numel", psi)
+        persistent = sum(gr.length for gr in groups if gr.index not in sharding.unit_of) if stage == 3 else 0
         sharded = padded - persistent
         itemsize = model.parameters()[0].dtype.itemsize
-        if type(trainer).__name__ == "DataParallelTrainer":
-            gradient_allreduces = len(trainer.buckets.groups)
-        else:
-            gradient_allreduces = len(trainer.groups) if stage == 0 else 0
+        if groups:
+            gradient_allreduces = len(groups) if stage == 0 else 0
+        else:  # DDP: one all-reduce per bucket
+            gradient_allreduces = sum(len(b.groups) for b in sharding.buckets.values())
         scalars = sent.get("allreduce", {}).get("calls", 0) - gradient_allreduces  # loss, norm, overflow flag
         traffic = {kind: c["bytes"] for kind, c in sent.items()}
         if "allreduce" in traffic:  # rank 0 sends 8 bytes per one-number all-reduce when N > 1
@@ -168,9 +170,9 @@ def _measure(args, precision: str) -> int:
         peaks = world.allgather_object({**trainer.ledger.peak(), "total": trainer.ledger.peak_total})
         rows.append({
             "stage": stage, "name": STAGE_NAMES[stage], "formula": STAGE_FORMULAS[stage],
-            "trainer": type(trainer).__name__,
+            "trainer": type(sharding).__name__,
             "params": psi, "padded_params": padded, "persistent_params": persistent,
-            "flat_buffers": len(getattr(trainer, "groups", [])),
+            "flat_buffers": len(groups),
             "estimate": model_state_bytes(stage, psi, n, p, g, k),
             "estimate_padded": model_state_bytes(stage, sharded, n, p, g, k, persistent),
             "measured": [sum(m.values()) for m in measured], "measured_by_category": measured[0],

@@ -7,6 +7,8 @@ same code).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 
 class ArrayOptimizer:
     def __init__(self, params) -> None:
@@ -33,3 +35,12 @@ class ArrayOptimizer:
         for p in self.params:
             if p.grad is not None:
                 p.grad[...] = 0
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step of a trainer did (parallel/trainer.py reads it)."""
+
+    applied: bool  # False when mixed precision found an overflow and every rank skipped the step
+    grads: list = field(default_factory=list)  # per group (or parameter), the gradient as used (unscaled, clipped)
+    norm: float | None = None  # global gradient norm before clipping (None when not computed)

@@ -28,64 +28,112 @@ averages instead of summing (its loss is a per-rank mean).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from refimpl import backend
-from refimpl.objective import count_targets, micro_batch_loss, split_batch
-from refimpl.optim import clip_grad_norm_
+from refimpl.memory import track_replicated
+from refimpl.optim import StepResult, clip_coefficient, squared_norm
 
 MODES = ("bucketed", "naive")
 
 
-class DataParallelTrainer:
-    """A trainer (same interface as train.LocalTrainer) that runs data-parallel over `comm`."""
+class DataParallel:
+    """DDP as a gradient strategy of the one trainer (parallel/trainer.py): whole model state on
+    every rank of `comm`, gradients summed over it.
 
-    def __init__(self, model, optimizer, comm, grad_accum: int = 1, clip: float = 0.0,
-                 mode: str = "bucketed", bucket_bytes: int = 1 << 20) -> None:
+    parts: the pipeline stages this rank holds ({index: stage}; the whole model without a
+    pipeline). make_optimizer(params) builds the optimizer on their parameters. Buckets never span
+    two stages: a stage's buckets are complete when its last backward of the step is.
+    """
+
+    sharded = False
+
+    def __init__(self, parts: dict, make_optimizer, comm, mode: str = "bucketed", bucket_bytes: int = 1 << 20,
+                 clip: float = 0.0, budget: int | None = None, rank: int | None = None, norm_total=None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown data-parallel mode {mode!r}; choose one of {', '.join(MODES)}")
         if bucket_bytes <= 0:
             raise ValueError(f"--bucket-bytes must be positive, got {bucket_bytes}")
-        self.model, self.optimizer, self.comm = model, optimizer, comm
-        self.grad_accum, self.clip, self.mode = grad_accum, clip, mode
-        self.world_size, self.rank = comm.size, comm.rank
-        self.record_grads = False
-        self.last_grads: dict = {}
-        self.steps_done = 0  # the global batch's number, for split-independent dropout masks
-        self.buckets = _Buckets(model.parameters(), comm, bucket_bytes) if mode == "bucketed" else None
+        self.comm, self.mode, self.clip, self.norm_total = comm, mode, clip, norm_total
+        self.parts = parts
+        self.named = [(name, p) for s in sorted(parts) for name, p in parts[s].named_parameters()]
+        self.params = [p for _, p in self.named]
+        self.buckets = {s: _Buckets(parts[s].parameters(), comm, bucket_bytes) for s in sorted(parts)} \
+            if mode == "bucketed" else {}
+        self.optimizer = make_optimizer(self.params)
+        self.ledger = track_replicated(self.params, self.optimizer, budget, comm.rank if rank is None else rank)
 
-    def step(self, x, y) -> float:
-        """One optimizer step on the global batch (x, y); returns the global batch's loss."""
-        total = count_targets(y)  # of the whole global batch: every rank builds the same batch
-        x_local, y_local = split_batch(x, y, self.world_size, "data-parallel ranks")[self.rank]
-        micro = split_batch(x_local, y_local, self.grad_accum, "micro-batches per rank (--grad-accum)")
-        loss_value = 0.0
-        first_row = self.rank * len(x_local)  # this rank's rows of the global batch
-        for i, (xm, ym) in enumerate(micro):
-            if self.buckets is not None:
-                self.buckets.sync = i == len(micro) - 1  # communicate on the last micro-batch only
-            loss = micro_batch_loss(self.model, xm, ym, total, rows=(first_row + i * len(xm), len(x), self.steps_done))
-            loss.backward()
-            loss_value += float(loss.item())
-        if self.buckets is not None:
-            self.buckets.finish()
-        else:
-            for p in self.model.parameters():
+    @contextmanager
+    def around(self, action, last: bool):
+        """Bucketed: all-reduce a stage's buckets during its last backward; naive: after it, one by one."""
+        bucketed = action.kind in ("B", "W") and self.mode == "bucketed"
+        if bucketed:
+            self.buckets[action.stage].sync = last  # communicate on the last micro-batch only
+        yield
+        if action.kind == "F":
+            self.ledger.check_activations()
+        if bucketed and last:
+            self.buckets[action.stage].finish()
+        elif action.kind in ("B", "W") and last:
+            for p in self.parts[action.stage].parameters():
                 if p.grad is None:
                     p.grad = backend.xp().zeros_like(p.data)
                 self.comm.allreduce(p.grad)
-        if self.clip > 0:
-            clip_grad_norm_(self.model.parameters(), self.clip)  # gradients are whole and identical
-        if self.record_grads:
-            self.last_grads = {name: backend.to_host(p.grad).copy() for name, p in self.model.named_parameters()}
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        self.steps_done += 1
-        return self.comm.allreduce_value(loss_value)
 
-    def full_parameters(self) -> dict:
-        return self.model.state_dict()  # replicated: every rank holds the whole model
+    def finish(self) -> list:
+        return [p.grad for p in self.params]  # whole and summed: the same on every rank
+
+    def optimizer_step(self, grads: list):
+        norm = None
+        if self.clip > 0:  # gradients are whole and identical on every rank: no communication here
+            total = squared_norm(grads)
+            if self.norm_total is not None:  # the other pipeline stages
+                total = self.norm_total(total)
+            norm = total ** 0.5
+            coefficient = clip_coefficient(total, self.clip)
+            if coefficient < 1.0:
+                for g in grads:
+                    g *= coefficient
+        self.optimizer.step()
+        return StepResult(True, grads, norm)
+
+    def end_step(self, result) -> None:
+        self.optimizer.zero_grad()
+
+    def whole(self, grads: list) -> dict:
+        return {name: backend.to_host(g).copy() for (name, _), g in zip(self.named, grads)}
+
+    def whole_parameters(self) -> dict:
+        return {name: backend.to_host(p.data).copy() for name, p in self.named}
 
     def report(self) -> dict:
-        return {"dp_mode": self.mode, "buckets": None if self.buckets is None else len(self.buckets.groups)}
+        return {"dp_mode": self.mode,
+                "buckets": None if not self.buckets else sum(len(b.groups) for b in self.buckets.values())}
+
+    # -- checkpoints: every rank holds the same whole state, the writer writes it ------------------
+    @property
+    def steps_taken(self) -> int:
+        return int(self.optimizer.state[0]["step"]) if self.optimizer.state else 0
+
+    def checkpoint_pieces(self, stages, writes_whole: bool) -> list:
+        pieces = []
+        if writes_whole:
+            wanted = {id(p) for s in stages for p in self.parts[s].parameters()}
+            for (name, p), state in zip(self.named, self.optimizer.state):
+                if id(p) not in wanted:
+                    continue
+                arrays = {"master": backend.to_host(p.data).reshape(-1)}
+                arrays.update({k: backend.to_host(v).reshape(-1) for k, v in state.items() if hasattr(v, "nbytes")})
+                pieces.append((name, 0, p.size, arrays))
+        return pieces
+
+    def load_full_state(self, masters: dict, states: dict, step: int) -> None:
+        for (name, p), state in zip(self.named, self.optimizer.state):
+            p.data[...] = backend.asarray(masters[name].reshape(p.shape), dtype=p.dtype)
+            for key, value in state.items():
+                if hasattr(value, "nbytes"):
+                    value[...] = backend.asarray(states[key][name].reshape(value.shape), dtype=value.dtype)
+            state["step"] = step
 
 
 def assign_buckets(param_bytes: list[int], bucket_bytes: int) -> list[list[int]]:

@@ -12,7 +12,7 @@ import json
 import sys
 
 from refimpl.parallel.comm import get_world
-from refimpl.parallel.pipeline.trainer import PipelineTrainer
+from refimpl.parallel.trainer import Trainer
 from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=4, m=8, chunks=None, n_layer=4, batch=16, grad_accum=1,
@@ -32,8 +32,9 @@ def attempt(world, spec: dict) -> str:
 
         model = GPT(replace(model.config, tie_weights=True))
     try:
-        trainer = PipelineTrainer(model, lambda ps: build_optimizer(cfg, ps), world, c["pp"], c["schedule"], c["m"],
-                                  c["chunks"], grad_accum=c["grad_accum"], action_costs=c["action_costs"])
+        trainer = Trainer(model, lambda ps: build_optimizer(cfg, ps), world, pp=c["pp"], schedule=c["schedule"],
+                          micro_batches=c["m"], chunks=c["chunks"], grad_accum=c["grad_accum"],
+                          action_costs=c["action_costs"])
         x, y = task.batch(0, c["batch"])
         trainer.step(x, y)
     except ValueError as exc:

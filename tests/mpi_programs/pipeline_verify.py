@@ -2,7 +2,7 @@
 
 Launch:  mpiexec -n 4 python tests/mpi_programs/pipeline_verify.py '[{"schedule": "1f1b", "pp": 2, "m": 4}, ...]'
 
-Each configuration (JSON object; defaults below) builds a PipelineTrainer on the whole world
+Each configuration (JSON object; defaults below) builds the pipelined Trainer (refimpl/parallel/trainer.py) on the whole world
 (dp = world size / pp), runs `steps` optimizer steps in float64 and, on rank 0, the single-process
 LocalTrainer on the same batches; it records the worst loss / gradient / parameter differences
 (refimpl.compare, rtol 1e-10, atol 1e-12), the executor's point-to-point counters, and the
@@ -14,7 +14,7 @@ import json
 import sys
 
 from refimpl.parallel.comm import get_world
-from refimpl.parallel.pipeline.trainer import PipelineTrainer
+from refimpl.parallel.trainer import Trainer
 from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
 from refimpl.compare import Comparison, compare_step
 
@@ -32,9 +32,9 @@ def run(world, spec: dict) -> dict:
                       optimizer=c["optimizer"], collectives=c["collectives"], lr=1e-2, dropout=c["dropout"])
     task = build_task(cfg)
     comm = world.with_collectives(c["collectives"])
-    trainer = PipelineTrainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), comm, c["pp"], c["schedule"],
-                              c["m"], c["chunks"], clip=cfg.clip, checkpoint=c["checkpoint"], zero=c["zero"],
-                              bucket_bytes=c["bucket_bytes"])
+    trainer = Trainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), comm, pp=c["pp"],
+                      schedule=c["schedule"], micro_batches=c["m"], chunks=c["chunks"], clip=cfg.clip,
+                      checkpoint=c["checkpoint"], zero=c["zero"], bucket_bytes=c["bucket_bytes"])
     trainer.record_grads = True
     before = world.counters.snapshot()
     recorded = []
@@ -43,12 +43,12 @@ def run(world, spec: dict) -> dict:
         loss = trainer.step(x, y)
         recorded.append((loss, trainer.last_grads, trainer.full_parameters()))
     p2p = trainer.mesh.pp_comm.counters.snapshot()
-    group = trainer.grad_comm.counters.snapshot()
+    group = trainer.mesh.dp_comm.counters.snapshot()  # the data-parallel group: the strategy's collectives
     counters = world.allgather_object({"send": p2p.get("send", {"bytes": 0, "calls": 0}),
                                        "recv": p2p.get("recv", {"calls": 0}),
                                        "group": {k: group[k] for k in ("allreduce", "reduce_scatter", "allgather")
                                                  if k in group},
-                                       "padded": [g.length for g in trainer.zero1.groups] if trainer.zero1 else None})
+                                       "padded": [g.length for g in getattr(trainer.sharding, "groups", [])] or None})
     result = {"spec": c, "dp": dp, "counters": counters, "report": trainer.report()["pipeline"]}
     if world.rank == 0:
         model = build_model(cfg, task)

@@ -25,7 +25,7 @@ def main() -> None:
     for flags in configs:
         r = verify_flags(world, flags)
         results.append({"flags": flags, "ok": r["ok"], "tolerance_used": r.get("tolerance_used"),
-                        "problems": r.get("problems"), "trainer": r.get("trainer"),
+                        "problems": r.get("problems"), "trainer": r.get("trainer"), "strategy": r.get("strategy"),
                         "skipped_steps": r.get("skipped_steps", 0),
                         "reference_skipped_steps": r.get("reference_skipped_steps", 0)})
     if world.rank == 0:

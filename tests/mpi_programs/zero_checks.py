@@ -37,15 +37,15 @@ def tolerance_used(ours: dict, reference: dict, rtol: float = 1e-10, atol: float
 
 
 def layout(trainer) -> dict:
-    if hasattr(trainer, "groups"):
-        units = getattr(trainer, "unit_of", {})
-        return {"groups": [g.length for g in trainer.groups if g.index in units or trainer.stage < 3],
-                "persistent": [g.length for g in trainer.groups if trainer.stage == 3 and g.index not in units],
-                "numel": [g.numel for g in trainer.groups],
+    sharding = trainer.sharding  # DataParallel or a ZeRO stage (refimpl/parallel/trainer.py)
+    if hasattr(sharding, "groups"):
+        units = getattr(sharding, "unit_of", {})
+        return {"groups": [g.length for g in sharding.groups if g.index in units or sharding.stage < 3],
+                "persistent": [g.length for g in sharding.groups if sharding.stage == 3 and g.index not in units],
+                "numel": [g.numel for g in sharding.groups],
                 "largest_unit": max((units[i].group.nbytes for i in units), default=0)}
-    buckets = getattr(trainer, "buckets", None)
     return {"groups": [], "persistent": [], "numel": [], "largest_unit": 0,
-            "ddp_buckets": [int(f.size) for f in buckets.flats] if buckets is not None else None}
+            "ddp_buckets": [int(f.size) for b in sharding.buckets.values() for f in b.flats] if sharding.buckets else None}
 
 
 def run_case(world, case: dict) -> dict:
@@ -54,7 +54,7 @@ def run_case(world, case: dict) -> dict:
     task = build_task(cfg)
     model = build_model(cfg, task)
     trainer = make_trainer(cfg, model, world, distributed=True)
-    out = {"trainer": type(trainer).__name__, "psi": model.num_parameters(), **layout(trainer),
+    out = {"trainer": type(trainer.sharding).__name__, "psi": model.num_parameters(), **layout(trainer),
            "itemsize": model.parameters()[0].dtype.itemsize, "built": trainer.ledger.model_state(), "steps": []}
     losses, before_params = [], None
     for step in range(case["steps"]):

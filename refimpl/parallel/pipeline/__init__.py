@@ -15,7 +15,7 @@
     stage.py       the model cut into contiguous stages (GPT, MLP), balanced by layer count
     executor.py    runs one rank's list over a communicator: one posted receive per channel,
                    isend, F / B / I / W through the engine's two-half backward
-    trainer.py     PipelineTrainer: a dp x pp mesh, gradient groups (DualPipe's copies), clipping
+                   (the trainer that runs it with data parallelism and ZeRO: parallel/trainer.py)
     timeline.py    measured vs simulated idle per rank, sleep-cost mode, Chrome trace
 
 Nothing here imports MPI: the executor runs these lists with a `comm.py` communicator that it is

@@ -148,6 +148,9 @@ class PipelineExecutor:
         self.schedule, self.rank, self.comm, self.stages = schedule, rank, comm, stages
         self.costs = costs
         S = schedule.num_stages
+        # Per stage: its last action that accumulates parameter gradients (B, or the W of a split one).
+        last = {action.stage: action for action in schedule.actions(rank) if action.kind in ("B", "W")}
+        self.last_backward = frozenset(last.values())
         # Per step: the messages it consumes and produces (local hand-overs are not messages).
         self.program = []
         self.channels: dict[tuple, _Channel] = {}
@@ -167,7 +170,8 @@ class PipelineExecutor:
                 self._channel_of[msg] = channel
 
     # ------------------------------------------------------------------------------------------
-    def run(self, inputs, loss_fn, x_shape: tuple, t0: float | None = None, forward_context=None) -> RunRecord:
+    def run(self, inputs, loss_fn, x_shape: tuple, t0: float | None = None, forward_context=None,
+            loss_scale: float | None = None, around=None) -> RunRecord:
         """Run this rank's program once (one optimizer step's worth of micro-batches).
 
         inputs(mb)       the micro-batch input (token ids (b, T) or features (b, d)); asked only
@@ -177,6 +181,12 @@ class PipelineExecutor:
         t0               the clock value that counts as time 0 (default: now)
         forward_context  forward_context(mb) -> a context manager around every forward of mb (the
                          trainer says which rows of the global batch mb holds: dropout masks)
+        loss_scale       mixed precision's S: the backward starts from loss_mb · S (the record keeps
+                         the unscaled loss)
+        around           around(action, last) -> a context manager around every action, or None;
+                         `last` says that a B or W is its stage's last in this run: the stage's
+                         gradients are then complete (the gradient sharding strategy reduces
+                         them: parallel/trainer.py)
         """
         xp = backend.xp()
         clock = time.perf_counter
@@ -184,6 +194,7 @@ class PipelineExecutor:
         record = RunRecord()
         self._inputs, self._loss_fn, self._x_shape, self._record = inputs, loss_fn, tuple(x_shape), record
         self._context = forward_context or (lambda mb: nullcontext())
+        self._loss_scale = loss_scale
         self._inbox: dict[tuple, object] = {}  # (kind, stage, mb) -> array handed to that stage
         self._outbox: dict[tuple, object] = {}  # (kind, src stage, mb) -> array to send
         self._kept: dict[tuple, tuple] = {}  # (stage, mb) -> (x_in leaf or None, y or loss)
@@ -201,7 +212,11 @@ class PipelineExecutor:
             parts = []
             for action in step.parts:
                 begin = clock()
-                self._do(action)
+                if around is None:
+                    self._do(action)
+                else:
+                    with around(action, action in self.last_backward):
+                        self._do(action)
                 parts.append((format_action(action, short=True), begin - t0, clock() - t0))
             compute = clock() - start
             if self.costs is not None:
@@ -286,7 +301,7 @@ class PipelineExecutor:
         if stage.is_last:
             loss = self._loss_fn(y, mb)
             self._record.loss += float(loss.item())
-            y = loss
+            y = loss if self._loss_scale is None else loss * self._loss_scale
         else:
             self._hand_over("act", s, s + 1, mb, y.data, action.direction)
         self._kept[(s, mb)] = (x_in, y)

@@ -49,6 +49,7 @@ from refimpl.autograd.tensor import Tensor
 from refimpl.nn.layers import MLP
 from refimpl.nn.models import GPT, MLPClassifier
 from refimpl.nn.module import Module
+from refimpl.objective import to_input
 
 
 class MLPLayer(Module):
@@ -83,13 +84,15 @@ class Chain:
             self.flag = lambda n: f"--n-layer {n - 1}"
         else:
             raise ValueError(f"pipeline stages can be cut from a GPT or an MLPClassifier, not {type(model).__name__}")
-        self.dtype = model.parameters()[0].dtype
+        self.param_dtype = model.parameters()[0].dtype
+        # Activations (the messages between stages): float16 parameters compute in float32 (mixed precision)
+        self.dtype = "float32" if self.param_dtype == "float16" else self.param_dtype
 
     def enter(self, x) -> Tensor:
         """The first stage's entry: token ids -> embeddings (b, T, C), or features -> Tensor (b, d_in)."""
         if isinstance(self.model, GPT):
             return self.model.embed(x)  # (b, T, C)
-        return x if isinstance(x, Tensor) else Tensor(backend.asarray(x, dtype=self.dtype))
+        return x if isinstance(x, Tensor) else Tensor(backend.asarray(x, dtype=self.param_dtype))
 
     def leave(self, x: Tensor) -> Tensor:
         """The last stage's exit: logits (b, T, V) or (b, classes)."""
@@ -186,8 +189,46 @@ class Stage:
         return f"Stage({self.index}/{self.num_stages}: {ends})"
 
 
-def split_model(model, num_stages: int, stages=None, checkpoint_plan=None, why: str = "") -> dict[int, Stage]:
-    """{stage index: Stage} for the stages in `stages` (default: all) of a `num_stages`-stage split."""
+class WholeModel:
+    """The one stage of a one-stage pipeline: the model itself, called as in single-process training.
+
+    A pipeline of one stage is plain gradient accumulation (F0 B0 F1 B1 ... under 1F1B), so the
+    trainer runs every configuration through the executor; with one stage the model is not cut
+    into a chain: any model works, its own forward (and hooks, and the activation checkpointing
+    that apply_to_gpt installs) runs exactly as in single-process training, bit for bit.
+    """
+
+    index, num_stages, is_first, is_last = 0, 1, True, True
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def named_parameters(self) -> list:
+        return list(self.model.named_parameters())
+
+    def parameters(self) -> list:
+        return list(self.model.parameters())
+
+    @property
+    def dtype(self):
+        return self.model.parameters()[0].dtype
+
+    def forward(self, x):
+        return self.model(to_input(self.model, x))
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        return f"WholeModel({type(self.model).__name__})"
+
+
+def split_model(model, num_stages: int, stages=None, checkpoint_plan=None, why: str = "") -> dict:
+    """{stage index: Stage} for the stages in `stages` (default: all) of a `num_stages`-stage split.
+
+    One stage is the model itself (WholeModel); the caller applies a checkpoint plan to it
+    (checkpointing.apply_to_gpt), as single-process training does."""
+    if num_stages == 1 and (stages is None or list(stages) == [0]):
+        return {0: WholeModel(model)}
     chain = Chain(model)
     if chain.tied and num_stages > 1:
         raise ValueError("a GPT with tied embeddings (tie_weights) puts one weight on the first and the last "
@@ -204,4 +245,4 @@ def num_layers(model) -> int:
     return len(Chain(model).layers)
 
 
-__all__ = ["Stage", "Chain", "MLPLayer", "split_model", "stage_sizes", "check_split", "num_layers"]
+__all__ = ["Stage", "WholeModel", "Chain", "MLPLayer", "split_model", "stage_sizes", "check_split", "num_layers"]

@@ -16,45 +16,25 @@ single-process training):
 
     flat.py        flat buffers padded to a multiple of N; shards; grouping into buckets / units
     optimizer.py   the sharded optimizer step (unscale, overflow vote, clip, update, cast back)
-    trainer.py     the training step and gradient hooks every stage shares
+    sharding.py    what every stage shares: groups per pipeline stage, gradient hooks, the step
     stage0.py      DP in the same framework (for mixed precision)
     stage1.py      reduce-scatter gradients, step the shard, all-gather parameters
     stage2.py      gradients reduce-scattered bucket by bucket during backward, shard kept
     stage3.py      parameters gathered per module before forward and backward, prefetch
     checkpoint.py  sharded checkpoints: atomic, checksummed, resumable at any N and stage
 
-`python -m refimpl train --zero 3 ...` and `verify --zero 3 ...` select a stage; docs/zero.md
+`python -m refimpl train --zero 3 ...` and `verify --zero 3 ...` select a stage (the one trainer,
+parallel/trainer.py, composes it with the pipeline and precision); docs/zero.md
 walks through them with measured tables.
 """
 
 from __future__ import annotations
 
-from .stage0 import Stage0Trainer
-from .stage1 import Stage1Trainer
-from .stage2 import Stage2Trainer
-from .stage3 import Stage3Trainer
+from .stage0 import ZeroStage0
+from .stage1 import ZeroStage1
+from .stage2 import ZeroStage2
+from .stage3 import ZeroStage3
 
-TRAINERS = {0: Stage0Trainer, 1: Stage1Trainer, 2: Stage2Trainer, 3: Stage3Trainer}
+STAGES = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
-
-def make_zero_trainer(stage: int, model, optimizer, comm=None, *, precision: str = "float32", grad_accum: int = 1,
-                      clip: float = 0.0, bucket_bytes: int = 1 << 20, budget: int | None = None,
-                      prefetch_bytes: int = 0, param_threshold: int = 0):
-    """The trainer of ZeRO `stage` over `comm` (a one-process world if None).
-
-    `optimizer` is an optimizer built with no parameters (its hyper-parameters and update rule):
-    the trainer creates the state for this rank's shard only.
-    """
-    if stage not in TRAINERS:
-        raise ValueError(f"unknown ZeRO stage {stage!r}; choose 0 (data parallel), 1, 2 or 3")
-    if comm is None:
-        from refimpl.parallel.comm import LocalComm  # noqa: PLC0415
-
-        comm = LocalComm()
-    options = dict(precision=precision, grad_accum=grad_accum, clip=clip, bucket_bytes=bucket_bytes, budget=budget)
-    if stage == 3:
-        options.update(prefetch_bytes=prefetch_bytes, param_threshold=param_threshold)
-    return TRAINERS[stage](model, optimizer, comm, **options)
-
-
-__all__ = ["TRAINERS", "make_zero_trainer", "Stage0Trainer", "Stage1Trainer", "Stage2Trainer", "Stage3Trainer"]
+__all__ = ["STAGES", "ZeroStage0", "ZeroStage1", "ZeroStage2", "ZeroStage3"]

@@ -61,6 +61,7 @@ from refimpl.console import emit_json, log
 from refimpl.parallel import watchdog
 from refimpl.parallel.failure import AgreedError, agree
 from refimpl.parallel.zero import fingerprint, safe_files
+from refimpl.trainer_protocol import Trainer, missing
 
 FORMAT = "refimpl-sharded-checkpoint/2"  # /2 adds the run's fingerprint
 READABLE = (FORMAT, "refimpl-sharded-checkpoint/1")
@@ -112,22 +113,11 @@ def _os_error(exc: OSError) -> str:
 
 def _pieces(trainer, model) -> tuple[list, int]:
     """([(name, start, stop, {"master": array, state key: array})], optimizer step) of this rank."""
-    if hasattr(trainer, "checkpoint_pieces"):  # the ZeRO trainers
-        return trainer.checkpoint_pieces(), trainer.optimizer.steps_taken
-    optimizer = getattr(trainer, "optimizer", None)
-    if optimizer is None or not hasattr(optimizer, "state") or type(trainer).__name__ not in (
-            "LocalTrainer", "DataParallelTrainer"):
-        raise ValueError(f"sharded checkpoints support the ZeRO, data-parallel and single-process trainers, "
-                         f"not {type(trainer).__name__}")
-    pieces, step = [], 0
-    if trainer.rank == 0:  # every rank holds the same whole state: rank 0 writes it
-        for (name, p), state in zip(model.named_parameters(), optimizer.state):
-            arrays = {"master": backend.to_host(p.data).reshape(-1)}
-            arrays.update({k: backend.to_host(v).reshape(-1) for k, v in state.items() if hasattr(v, "nbytes")})
-            pieces.append((name, 0, p.size, arrays))
-    if optimizer.state:
-        step = int(optimizer.state[0]["step"])
-    return pieces, step
+    lacking = missing(trainer, Trainer)
+    if lacking:
+        raise ValueError(f"sharded checkpoints need a trainer with {', '.join(lacking)} "
+                         f"(refimpl/trainer_protocol.py); {type(trainer).__name__} lacks them")
+    return trainer.checkpoint_pieces(), trainer.optimizer_steps
 
 
 def _dropout_states(model) -> list:
@@ -180,10 +170,10 @@ def save(trainer, model, cfg, step: int, world=None) -> str:
 
 def _manifest(trainer, model, cfg, step: int, optimizer_step: int, shards: list) -> dict:
     """What manifest.json records (see the module docstring); shards: every rank's file, by rank."""
-    scaler = getattr(trainer, "scaler", None)
+    scaler = trainer.scaler
     return {
         "format": FORMAT, "step": step, "world_size": len(shards), "trainer": type(trainer).__name__,
-        "zero_stage": getattr(trainer, "stage", 0), "precision": cfg.dtype,
+        "zero_stage": cfg.zero, "precision": cfg.dtype,
         "optimizer": {"name": cfg.optimizer, "step": optimizer_step},
         "loss_scaler": None if scaler is None else scaler.state_dict(),
         "parameters": [[n, list(p.shape)] for n, p in model.named_parameters()],
@@ -459,18 +449,9 @@ def resume(trainer, model, cfg, world=None) -> int:
 
 def _load(trainer, model, checkpoint: Checkpoint, rank: int) -> None:
     step = int(checkpoint.manifest["optimizer"]["step"])
-    if hasattr(trainer, "load_full_state"):
-        trainer.load_full_state(checkpoint.masters, checkpoint.states, step)
-    else:
-        for (name, p), state in zip(model.named_parameters(), trainer.optimizer.state):
-            p.data[...] = backend.asarray(checkpoint.masters[name].reshape(p.shape), dtype=p.dtype)
-            for key, value in state.items():
-                if hasattr(value, "nbytes"):
-                    value[...] = backend.asarray(checkpoint.states[key][name].reshape(value.shape), dtype=value.dtype)
-            state["step"] = step
-    if hasattr(trainer, "steps_done"):
-        trainer.steps_done = checkpoint.step  # the batch number that keys dropout masks (nn/batch_rows.py)
-    scaler, saved = getattr(trainer, "scaler", None), checkpoint.manifest.get("loss_scaler")
+    trainer.load_full_state(checkpoint.masters, checkpoint.states, step)
+    trainer.steps_done = checkpoint.step  # the batch number that keys dropout masks (nn/batch_rows.py)
+    scaler, saved = trainer.scaler, checkpoint.manifest.get("loss_scaler")
     if scaler is not None and saved is not None:
         scaler.load_state_dict(saved)
     states = checkpoint.manifest.get("rng") or [[]]

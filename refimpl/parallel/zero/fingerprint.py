@@ -40,7 +40,7 @@ MAY_CHANGE = frozenset({
     "steps", "save_dir", "save_every", "resume", "overwrite_checkpoints", "timeout",  # length, saving, watchdog
     "zero", "grad_accum", "collectives", "dp_mode", "bucket_bytes",  # how the global batch's gradient is summed
     "prefetch", "param_threshold", "mem_budget", "checkpoint",  # memory: gathering, budgets, recomputation
-    "pp", "schedule", "micro_batches", "chunks", "action_costs", "trace",  # pipelines (not checkpointed yet)
+    "pp", "schedule", "micro_batches", "chunks", "action_costs", "trace",  # the pipeline's layout
 })
 
 

@@ -112,12 +112,13 @@ def bucket_groups(named_params: list, bucket_bytes: int, shards: int, rank: int,
             for i, bucket in enumerate(buckets)]
 
 
-def module_units(model, threshold: int = 0) -> tuple[list, list]:
+def module_units(model, threshold: int = 0, only: set | None = None) -> tuple[list, list]:
     """ZeRO-3's gather units and the parameters kept whole.
 
     A unit is a module that owns parameters directly (Linear, LayerNorm, Embedding, ...), with
     those of its parameters that have at least `threshold` elements; parameters with fewer stay
     whole on every rank ("persistent", DeepSpeed's stage3_param_persistence_threshold).
+    only: the ids of the parameters to consider (a pipeline stage's), default all.
     Returns ([(module_name, module, [(name, param)])], [(name, param) kept whole]).
     """
     if threshold < 0:
@@ -126,7 +127,7 @@ def module_units(model, threshold: int = 0) -> tuple[list, list]:
     for module_name, module in model.named_modules():
         own = []
         for pname, p in module._parameters.items():
-            if p is None or id(p) in seen:
+            if p is None or id(p) in seen or (only is not None and id(p) not in only):
                 continue
             seen.add(id(p))
             name = f"{module_name}.{pname}" if module_name else pname

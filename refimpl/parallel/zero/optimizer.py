@@ -12,7 +12,8 @@ gradient shard). The step, identical on every rank except for which block it tou
 
     1. mixed precision: g32 = float32(g16) / S; overflow = any non-finite element on any rank
        (a max all-reduce of one flag); on overflow every rank skips the step (optim/precision.py)
-    2. clipping: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (a sum all-reduce of one number);
+    2. clipping: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (a sum all-reduce of one number; in a
+       pipeline, then summed over the pipeline's ranks, each stage counted once);
        g ← g · min(1, max_norm / (‖g‖ + 1e-6)), as optim.clip_grad_norm_ on whole gradients
     3. optimizer.update(master, g, state) -- the same AdamW/SGD code as single-process training,
        on a flat block instead of a tensor (optim/adamw.py works on any arrays of equal shape)
@@ -28,27 +29,21 @@ gradients of step 1 are registered as transient "gradient_buckets" while the ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from refimpl import backend
-from refimpl.optim import clip_coefficient, squared_norm
-
-
-@dataclass
-class StepResult:
-    applied: bool  # False when mixed precision found an overflow and every rank skipped the step
-    grads: list = field(default_factory=list)  # per group, the gradient block as used (unscaled, clipped)
-    norm: float | None = None  # global gradient norm before clipping (None when not computed)
+from refimpl.optim import StepResult, clip_coefficient, squared_norm
 
 
 class ShardedOptimizer:
     """Master weights and optimizer state of this rank's block of every group, and the step."""
 
     def __init__(self, optimizer, groups: list, param_blocks: list, ledger, comm, clip: float = 0.0,
-                 scaler=None, sharded: bool = True) -> None:
+                 scaler=None, sharded: bool = True, norm_total=None, any_rank=None) -> None:
         self.optimizer, self.groups, self.param_blocks = optimizer, groups, param_blocks
         self.ledger, self.clip, self.scaler = ledger, clip, scaler
         self.comm = comm if sharded else None  # one shard: gradients are whole, nothing to combine
+        # Beyond the group: the squared norm of the other pipeline stages (added), the overflow flags
+        # of their ranks (max). None: this rank's group holds the whole model.
+        self.norm_total, self.any_rank = norm_total, any_rank
         self.masters, self.states = [], []
         for group, block in zip(groups, param_blocks):
             if scaler is not None:  # mixed precision: float32 master weights of the shard
@@ -79,7 +74,9 @@ class ShardedOptimizer:
                 unscaled.append(g32)
             grads = unscaled
             local = 0.0 if all(bool(backend.xp().isfinite(g).all()) for g in grads) else 1.0
-            overflow = (self.comm.allreduce_value(local, "max") if self.comm is not None else local) > 0
+            if self.comm is not None:
+                local = self.comm.allreduce_value(local, "max")
+            overflow = (local if self.any_rank is None else self.any_rank(local)) > 0
             if overflow:
                 self.scaler.update(True)
                 self._release(temporaries)
@@ -89,6 +86,8 @@ class ShardedOptimizer:
             total = squared_norm(grads)
             if self.comm is not None:
                 total = self.comm.allreduce_value(total)
+            if self.norm_total is not None:
+                total = self.norm_total(total)
             norm = total ** 0.5
             coefficient = clip_coefficient(total, self.clip)
             if coefficient < 1.0:

@@ -11,7 +11,7 @@ gradient buckets; on the last micro-batch a bucket's all-reduce starts as soon a
 gradient is in (overlapping the rest of backward), and every rank then takes the same optimizer
 step on the same whole arrays.
 
-refimpl runs float32/float64 `--zero 0` with parallel/data_parallel.py (the DDP trainer); this
+refimpl runs float32/float64 `--zero 0` with parallel/data_parallel.py (DDP's strategy); this
 class is what `--zero 0 --dtype mixed` runs, since mixed precision needs the master weights and
 loss scaling that ZeRO's sharded optimizer provides. The ZeRO stages build on it: stage1.py.
 
@@ -21,17 +21,17 @@ Legend: L a bucket's length (one shard: no padding).
 from __future__ import annotations
 
 from .flat import bucket_groups
-from .trainer import ZeroTrainer
+from .sharding import ZeroSharding
 
 
-class Stage0Trainer(ZeroTrainer):
+class ZeroStage0(ZeroSharding):
     """Whole parameters, whole gradients (all-reduced), whole optimizer state on every rank."""
 
     stage = 0
 
-    def _make_groups(self) -> list:
+    def _make_groups(self, named: list, first_index: int) -> list:
         n = self.world_size if self.sharded else 1  # DP: whole buffers, nothing to shard
-        return bucket_groups(self.named, self.bucket_bytes, n, self.rank if n > 1 else 0)
+        return bucket_groups(named, self.bucket_bytes, n, self.rank if n > 1 else 0, first_index)
 
     def _hold_parameters(self) -> list:
         """Whole flat parameter buffers; every parameter becomes a view into its group's buffer."""

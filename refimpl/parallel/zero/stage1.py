@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from refimpl.parallel.comm import wait_all
 
-from .stage0 import Stage0Trainer
+from .stage0 import ZeroStage0
 
 
-class Stage1Trainer(Stage0Trainer):
+class ZeroStage1(ZeroStage0):
     """Whole parameters and gradients; optimizer state (and master weights) for one shard."""
 
     stage = 1

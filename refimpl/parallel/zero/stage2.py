@@ -11,7 +11,7 @@ Gradients are reduced bucket by bucket *during* backward. A bucket (a flat group
 accumulates into it; when its last gradient is in, its reduce-scatter starts (non-blocking,
 overlapping the rest of backward) into a block of L/N elements, and when that completes the block
 is added into this rank's persistent gradient shard and the bucket is freed. When a bucket's
-reduction starts, the trainer waits for the one before it (trainer.py, double buffering as
+reduction starts, the trainer waits for the one before it (sharding.py, double buffering as
 DeepSpeed's overlap_comm): at most two buckets exist at once -- one being reduced, the next one
 being filled -- plus their L/N outputs ("gradient_buckets" in the ledger). The whole gradient never
 does, and the bytes held at every allocation are the same on every rank.
@@ -28,10 +28,10 @@ Legend: L a bucket's padded length, N ranks, L/N one rank's block.
 
 from __future__ import annotations
 
-from .stage1 import Stage1Trainer
+from .stage1 import ZeroStage1
 
 
-class Stage2Trainer(Stage1Trainer):
+class ZeroStage2(ZeroStage1):
     """Whole parameters; a gradient shard, filled bucket by bucket during backward."""
 
     stage = 2

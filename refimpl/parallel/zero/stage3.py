@@ -45,7 +45,7 @@ from __future__ import annotations
 from refimpl import backend
 
 from .flat import FlatGroup, bucket_groups, module_units
-from .stage2 import Stage2Trainer
+from .stage2 import ZeroStage2
 
 
 class _Unit:
@@ -64,15 +64,19 @@ def placeholder(param):
     return xp.broadcast_to(xp.asarray(float("nan"), dtype=param.dtype), param.shape)
 
 
-class Stage3Trainer(Stage2Trainer):
+class ZeroStage3(ZeroStage2):
     """Shards of parameters, gradients and optimizer state; whole parameters only while needed."""
 
     stage = 3
 
-    def __init__(self, model, optimizer, comm, precision="float32", grad_accum=1, clip=0.0,
-                 bucket_bytes=1 << 20, budget=None, prefetch_bytes: int = 0, param_threshold: int = 0) -> None:
+    def __init__(self, model, parts: dict, optimizer, comm, prefetch_bytes: int = 0, param_threshold: int = 0,
+                 **options) -> None:
         if prefetch_bytes < 0:
             raise ValueError(f"--prefetch must be >= 0 bytes, got {prefetch_bytes}")
+        whole_model = len(parts) == 1 and getattr(next(iter(parts.values())), "model", None) is model
+        if prefetch_bytes and not whole_model:
+            raise ValueError("--prefetch follows the order of one micro-batch's modules; in a pipeline a rank runs "
+                             "its stages' micro-batches interleaved: use --prefetch 0 with --pp")
         if getattr(getattr(model, "config", None), "tie_weights", False):
             raise ValueError("ZeRO-3 gathers a module's parameters around its own calls; a tied embedding is also "
                              "used by the head, outside them (DeepSpeed registers it as an external parameter); "
@@ -82,24 +86,26 @@ class Stage3Trainer(Stage2Trainer):
         self._order: dict[str, list] = {}  # "forward"/"backward" -> units in the order they ran
         self._tracing: dict[str, list] | None = None
         self._in_use: set[int] = set()  # indices of units between use and release
-        super().__init__(model, optimizer, comm, precision, grad_accum, clip, bucket_bytes, budget)
+        super().__init__(model, parts, optimizer, comm, **options)
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda module, args, u=unit: self._use(u, "forward"))
             unit.module.register_forward_hook(lambda module, args, output, u=unit: self._release(u))
             unit.module.register_full_backward_pre_hook(lambda module, grad, u=unit: self._use(u, "backward"))
-        model.register_forward_hook(lambda module, args, output: self._check_first_forward(output))
+        if whole_model:  # a pipeline stage is no module: the checks below need the model's own forward
+            model.register_forward_hook(lambda module, args, output: self._check_first_forward(output))
 
     # -- layout -----------------------------------------------------------------------------------
-    def _make_groups(self) -> list:
-        units, persistent = module_units(self.model, self.param_threshold)
+    def _make_groups(self, named: list, first_index: int) -> list:
+        """One pipeline stage's units (the modules that own its parameters), then its persistent groups."""
+        units, persistent = module_units(self.model, self.param_threshold, only={id(p) for _, p in named})
         groups = []
         for name, module, params in units:
-            group = FlatGroup(len(groups), params, self.world_size, self.rank)
+            group = FlatGroup(first_index + len(groups), params, self.world_size, self.rank)
             self.units.append(_Unit(name, module, group))
             groups.append(group)
         self.unit_of = {unit.group.index: unit for unit in self.units}
         if persistent:  # kept whole: flat buckets, as stage 2
-            groups += bucket_groups(persistent, self.bucket_bytes, self.world_size, self.rank, len(groups))
+            groups += bucket_groups(persistent, self.bucket_bytes, self.world_size, self.rank, first_index + len(groups))
         return groups
 
     def _hold_parameters(self) -> list:
@@ -197,15 +203,15 @@ class Stage3Trainer(Stage2Trainer):
             raise ValueError("ZeRO-3: the first forward produced NaN or inf: a parameter was read while freed "
                              "(used outside a call of its module?)")
 
-    # -- micro-batch boundaries and gradients ---------------------------------------------------------
-    def _begin_micro_batch(self) -> None:
-        if not self._order:
-            self._tracing = {}
+    # -- action boundaries and gradients -------------------------------------------------------------
+    def _begin_action(self, action) -> None:
+        if not self._order and self._tracing is None and action.kind == "F" and action.mb == 0:
+            self._tracing = {}  # the first micro-batch's order of units (for prefetch)
 
-    def _end_micro_batch(self) -> None:
-        for unit in self.units:  # anything prefetched but not used, or never released
+    def _end_action(self, action) -> None:
+        for unit in self.units:  # anything prefetched but not used, or not released (between I and W)
             self._release(unit)
-        if self._tracing is not None:
+        if self._tracing is not None and action.kind in ("B", "W") and action.mb == 0:
             self._order, self._tracing = self._tracing, None
 
     def _start_reduction(self, group):
