@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from refimpl.parallel.launcher import find_mpiexec, launcher_rank, without_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRAIN = ["--model", "gpt", "--steps", "40"]
@@ -45,19 +46,14 @@ def one_run() -> None:
     start = time.perf_counter()
     code = cli.main(["train", *flags])
     seconds = time.perf_counter() - start
-    if os.environ.get("PMI_RANK", "0") == "0":
+    if launcher_rank() == 0:
         print(json.dumps({"seconds": seconds, "step_seconds": summaries[0]["seconds"]}), flush=True)
     sys.exit(code)
 
 
-def mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else "mpiexec"
-
-
 def measure(ranks: int, variant: str, flags: list[str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_LOCAL"))}
-    done = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, __file__, "--one-run", variant, *flags],
+    env = without_launcher()
+    done = subprocess.run([find_mpiexec() or "mpiexec", "-n", str(ranks), sys.executable, __file__, "--one-run", variant, *flags],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"{variant} run failed:\n{done.stderr[-2000:]}")

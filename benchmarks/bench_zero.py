@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,22 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from refimpl.memory import STAGE_NAMES, format_bytes, parse_bytes  # noqa: E402
-
-
-def mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 
 def launch(args, world: int, stage: int, n_layer: int, steps: int, budget: int | None) -> dict | None:
     """One training run; its --json summary, or None if it ran out of its memory budget."""
-    cmd = [mpiexec(), "-n", str(world), sys.executable, "-m", "refimpl", "train", "--model", "gpt",
+    cmd = [find_mpiexec() or "mpiexec", "-n", str(world), sys.executable, "-m", "refimpl", "train", "--model", "gpt",
            "--n-layer", str(n_layer), "--d-model", str(args.d_model), "--n-head", str(args.n_head),
            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--steps", str(steps),
            "--dtype", "float32", "--zero", str(stage), "--json"]
     if budget is not None:
         cmd += ["--mem-budget", str(budget)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = without_launcher()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     if done.returncode == 0:
         return json.loads(done.stdout.strip().splitlines()[-1])

@@ -13,8 +13,6 @@ docs/zero.md shows it verbatim.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from refimpl import fits  # noqa: E402
 from refimpl.memory import parse_bytes  # noqa: E402
+from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
 from refimpl.train import TrainConfig, add_arguments, build_task, config_from_args  # noqa: E402
 
 HUGE = (["--n-layer", "1000000"], ["--seq-len", "10000000"], ["--batch-size", str(10**12)])
@@ -41,7 +40,7 @@ def estimates(flags: list[str], world: int) -> list[fits.Estimate]:
 
 
 def refusal(argv: list[str], limit: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = without_launcher()
     env[fits.LIMIT_VARIABLE] = limit
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
@@ -63,8 +62,7 @@ def main() -> None:
         print(refusal([sys.executable, "-m", "refimpl", "train", *flags], args.limit) + "\n")
     each = [e.total for e in estimates(TWO_RANKS, 2)]
     limit = f"{(max(each) + sum(each)) // 2 // 10**6}MB"  # one rank fits, two do not
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(mpiexec) if mpiexec.exists() else (shutil.which("mpiexec") or "mpiexec")
+    mpiexec = find_mpiexec() or "mpiexec"
     print(f"each rank: {', '.join(fits._size(t) for t in each)}")
     print(f"$ {fits.LIMIT_VARIABLE}={limit} mpiexec -n 2 python -m refimpl train {' '.join(TWO_RANKS)}")
     print(refusal([mpiexec, "-n", "2", sys.executable, "-m", "refimpl", "train", *TWO_RANKS], limit))

@@ -48,11 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402 - the runner's, not a mutant's
+
 CATALOGUE = REPO / "benchmarks" / "mutations"
 MANIFEST = CATALOGUE / "catalogue.toml"
 PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-# Variables an MPI launcher sets for its ranks: never inherit them into a new launch (tests/mpi_util.py).
-LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "MV2_", "I_MPI_")
 
 
 @dataclass
@@ -173,9 +174,8 @@ def digest(path: Path) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def find_mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.is_file() else shutil.which("mpiexec")
+def mpiexec() -> str:
+    found = find_mpiexec()
     if found is None:
         raise SystemExit("mutation: no mpiexec next to this Python or on PATH (pip install mpich)")
     return found
@@ -191,14 +191,15 @@ def command_of(line: str) -> list[str]:
         if word == "python":
             out.append(sys.executable)
         elif word == "mpiexec":
-            out.append(find_mpiexec())
+            out.append(mpiexec())
         else:
             out.append(word)
     return out
 
 
 def check_env(tree: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k != "REFIMPL_MPI"}
+    # a check that launches mpiexec starts a job of its own: no launcher variable is inherited
+    env = {k: v for k, v in without_launcher().items() if k != "REFIMPL_MPI"}
     env["PYTHONPATH"] = str(tree)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env

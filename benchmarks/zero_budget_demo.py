@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from refimpl.memory import STAGE_NAMES, format_bytes, parse_bytes  # noqa: E402
+from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 
 def main() -> None:
@@ -31,9 +30,8 @@ def main() -> None:
     p.add_argument("--budget", default="1.2MB")
     args = p.parse_args()
     parse_bytes(args.budget)
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(mpiexec) if mpiexec.exists() else (shutil.which("mpiexec") or "mpiexec")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    mpiexec = find_mpiexec() or "mpiexec"
+    env = without_launcher()
     flags = ["-m", "refimpl", "train", "--model", "gpt", "--steps", "2", "--batch-size", str(2 * args.world),
              "--mem-budget", args.budget, "--json"]
     print(f"mpiexec -n {args.world} python {' '.join(flags[:-1])} --zero STAGE\n")

@@ -26,7 +26,6 @@ import io
 import os
 import pathlib
 import shlex
-import shutil
 import subprocess
 import sys
 
@@ -36,18 +35,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # doc_blocks.p
 import doc_blocks  # noqa: E402
 
 
-def _mpiexec() -> str:
-    beside = pathlib.Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
 def run_command(command: str) -> str:
     """Run one documented command and return its stdout."""
+    sys.path.insert(0, str(ROOT))
+    from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: PLC0415
+
     argv = shlex.split(command)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = without_launcher()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if argv[:4] == ["python", "-m", "refimpl", "memory"]:
-        sys.path.insert(0, str(ROOT))
         from refimpl.commands import memory as memory_command  # noqa: PLC0415
 
         parser = argparse.ArgumentParser(prog="python -m refimpl memory")
@@ -57,7 +53,7 @@ def run_command(command: str) -> str:
             memory_command.run(parser.parse_args(argv[4:]))
         return out.getvalue()
     if argv[0] == "mpiexec" and argv[3:7] == ["python", "-m", "refimpl", "memory"]:
-        cmd = [_mpiexec(), *argv[1:3], sys.executable, *argv[4:]]
+        cmd = [find_mpiexec() or "mpiexec", *argv[1:3], sys.executable, *argv[4:]]
     elif argv[:2] in (["python", "benchmarks/zero_budget_demo.py"], ["python", "benchmarks/fits_demo.py"]):
         cmd = [sys.executable, *argv[1:]]
     else:

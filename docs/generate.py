@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import re
 import runpy
 import shlex
@@ -91,9 +90,6 @@ PICTURES = {
     "dualpipe": "dualpipe --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
 }
 
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "MV2_", "I_MPI_")
-
-
 # ------------------------------------------------------------------------------------------------
 # Running documented commands
 # ------------------------------------------------------------------------------------------------
@@ -104,7 +100,12 @@ def argv_of(command: str) -> list[str]:
     argv = shlex.split(command)
     if argv[0] == "mpiexec":
         i = argv.index("python")
-        return [_harness().find_mpiexec(), *argv[1:i], sys.executable, *argv[i + 1:]]
+        from refimpl.parallel.launcher import find_mpiexec  # noqa: PLC0415
+
+        mpiexec = find_mpiexec()
+        if mpiexec is None:
+            raise FileNotFoundError(f"cannot run {command!r}: no mpiexec next to this Python or on PATH (pip install mpich)")
+        return [mpiexec, *argv[1:i], sys.executable, *argv[i + 1:]]
     if argv[0] == "python":
         return [sys.executable, *argv[1:]]
     raise ValueError(f"cannot run {command!r}: a documented command starts with python or mpiexec")
@@ -112,7 +113,9 @@ def argv_of(command: str) -> list[str]:
 
 def run(command: str, expected_code: int = 0, merge: bool = False) -> str:
     """The command's output (stdout, or stdout and stderr interleaved with merge=True)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    from refimpl.parallel.launcher import without_launcher  # noqa: PLC0415
+
+    env = without_launcher()  # a documented mpiexec starts a job of its own
     env.pop("REFIMPL_TUTORIAL_SOLUTIONS", None)
     done = subprocess.run(argv_of(command), cwd=ROOT, env=env, text=True, timeout=600, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT if merge else subprocess.PIPE)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import sys
 
 from refimpl.backend import BackendError, set_backend
 from refimpl.backend import name as backend_name
 from refimpl.parallel import failure, watchdog
-from refimpl.parallel.comm import RANK_VARIABLES, existing_world  # set by mpiexec (importing comm imports no MPI)
+from refimpl.parallel.comm import existing_world  # importing comm imports no MPI
+from refimpl.parallel.launcher import launcher_rank
 
 COMMANDS = {
     "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
@@ -41,8 +41,7 @@ class Parser(argparse.ArgumentParser):
     raise_errors = False
 
     def _print_message(self, message, file=None):
-        rank = next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), "0")
-        if rank == "0":
+        if launcher_rank() == 0:
             super()._print_message(message, file)
 
     def error(self, message):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,19 +30,10 @@ from pathlib import Path
 
 import pytest
 
+from refimpl.parallel.launcher import find_mpiexec, without_launcher
+
 REPO = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "mpi_programs"
-
-# Variables an MPI launcher sets for its ranks: never inherit them into a new launch.
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "MV2_", "I_MPI_")
-
-
-def find_mpiexec() -> str | None:
-    """mpiexec next to sys.executable, else on PATH, else None."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("mpiexec")
 
 
 def clean_env(extra: dict | None = None) -> dict:
@@ -51,7 +41,7 @@ def clean_env(extra: dict | None = None) -> dict:
 
     A value of None in `extra` removes that variable.
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k != "REFIMPL_MPI"}
+    env = {k: v for k, v in without_launcher().items() if k != "REFIMPL_MPI"}  # never inherited into a new launch
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for key, value in (extra or {}).items():
         if value is None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mpi_util import clean_env, find_mpiexec, run_local, run_local_json
 from refimpl.parallel import comm as commlib
-from refimpl.parallel import failure, ring, threads
+from refimpl.parallel import failure, launcher, ring, threads
 from refimpl.parallel.mesh import Mesh
 
 # -- block layout and the byte formulas ---------------------------------------------------------------
@@ -369,3 +369,12 @@ def test_mpi_util_finds_the_environment_mpiexec():
     env = clean_env({"PMI_RANK": None, "EXTRA": 1})
     assert env["EXTRA"] == "1" and not any(k.startswith("PMI_") for k in env)
     assert sys.executable  # the helper launches this same interpreter
+
+
+def test_launcher_variables_give_the_rank_and_are_left_out_of_a_new_launch():
+    assert launcher.launcher_rank({}) == 0
+    assert launcher.launcher_rank({"OMPI_COMM_WORLD_RANK": "3", "HOME": "/h"}) == 3
+    assert launcher.launcher_rank({"PMI_RANK": "2", "PMIX_RANK": "5"}) == 2  # the first of RANK_VARIABLES
+    environ = {"PMI_RANK": "1", "HYDRA_HOST": "n0", "OMPI_COMM_WORLD_SIZE": "2", "I_MPI_PIN": "0", "HOME": "/h"}
+    assert launcher.without_launcher(environ) == {"HOME": "/h"}
+    assert all(name.startswith(launcher.LAUNCHER_PREFIXES) for name in launcher.LAUNCHER_VARIABLES + launcher.RANK_VARIABLES)

@@ -19,8 +19,9 @@ DIVERGING = ["--optimizer", "sgd", "--clip", "0", "--lr", "1e6", "--n-layer", "2
 # cli.main, then each rank's exit status into a file of its own: mpiexec reports one status for the job.
 REPORT_EXIT = ("import os, sys\n"
                "from refimpl.cli import main\n"
+               "from refimpl.parallel.launcher import launcher_rank\n"
                "code = main(sys.argv[1:])\n"
-               "with open(os.path.join(os.environ['EXIT_DIR'], os.environ.get('PMI_RANK', '0')), 'w') as f:\n"
+               "with open(os.path.join(os.environ['EXIT_DIR'], str(launcher_rank())), 'w') as f:\n"
                "    f.write(str(code))\n"
                "sys.exit(code)\n")
 

@@ -165,7 +165,7 @@ def test_a_bad_timeout_is_refused(value):
 
 def per_rank_script(tmp_path: Path, body: str) -> Path:
     script = tmp_path / "per_rank.py"
-    script.write_text("import os, sys\nrank = int(os.environ.get('PMI_RANK', '0'))\n" + body)
+    script.write_text("import os, sys\nfrom refimpl.parallel.launcher import launcher_rank\nrank = launcher_rank()\n" + body)
     return script
 
 

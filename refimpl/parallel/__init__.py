@@ -10,6 +10,7 @@
     watchdog.py a hang (a stopped rank, a loop, mismatched collectives) aborts the job after
                 --timeout seconds without progress, naming the ranks that did not arrive
     threads.py  one BLAS/OpenMP thread budget per machine: max(1, cores // ranks on the node)
+    launcher.py the environment variables an MPI launcher sets for its ranks, and finding mpiexec
 
 Importing this package imports nothing from MPI; see comm.get_world().
 """

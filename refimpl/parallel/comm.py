@@ -57,11 +57,11 @@ test. As in MPI, every rank must start collectives on a communicator in the same
 buffer must not be touched until its request completes.
 
 The world. `get_world()` returns the world communicator, created once: a LocalComm unless the
-process runs under mpiexec (PMI_RANK, PMI_SIZE, PMIX_RANK, OMPI_COMM_WORLD_SIZE,
-MPI_LOCALNRANKS or MV2_COMM_WORLD_SIZE in the environment; REFIMPL_MPI=1 forces MPI, 0 forbids
-it). Creating the MPI world also installs the failure handler (failure.py: an exception on any
-rank aborts the job with "[rank R] ErrorType: message") and, with more than one rank, the BLAS
-thread budget (threads.py). Launch: `mpiexec -n 4 python -m refimpl ...`.
+process runs under mpiexec (one of launcher.LAUNCHER_VARIABLES, e.g. PMI_RANK or
+OMPI_COMM_WORLD_SIZE, in the environment; REFIMPL_MPI=1 forces MPI, 0 forbids it). Creating the
+MPI world also installs the failure handler (failure.py: an exception on any rank aborts the job
+with "[rank R] ErrorType: message") and, with more than one rank, the BLAS thread budget
+(threads.py). Launch: `mpiexec -n 4 python -m refimpl ...`.
 
 CuPy. Arrays reach MPI only through staging.HostCopies, in MPIComm: a device array goes to MPI
 directly when the MPI library is CUDA-aware, else through a host copy (copied back into the device
@@ -88,19 +88,11 @@ import numpy as np
 
 from refimpl import backend
 from refimpl.parallel import failure, ring, staging, threads, watchdog
+from refimpl.parallel.launcher import LAUNCHER_VARIABLES
 
 COLLECTIVES = ("mpi", "ring")
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-LAUNCHER_VARIABLES = (
-    "PMI_RANK",  # MPICH (hydra), Intel MPI
-    "PMI_SIZE",
-    "PMIX_RANK",  # Open MPI 5, Slurm with PMIx
-    "OMPI_COMM_WORLD_SIZE",  # Open MPI
-    "MPI_LOCALNRANKS",  # MPICH (hydra)
-    "MV2_COMM_WORLD_SIZE",  # MVAPICH
-)
 _NOT_WATCHED = contextlib.nullcontext()  # the context of a call the watchdog need not know about
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")  # this rank
 INIT_TIMEOUT_S = 60.0  # default of REFIMPL_INIT_TIMEOUT: how long MPI_Init may wait for the others
 ABORT_GRACE_S = 0.25  # seconds between printing an abort's message and killing the job
 MAX_TAG = 32767  # the largest tag every MPI library must accept

@@ -32,7 +32,7 @@ import sys
 import time
 
 from refimpl.parallel import comm as comm_module
-from refimpl.parallel.comm import RANK_VARIABLES
+from refimpl.parallel.launcher import launcher_rank
 
 COMM_METHODS = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "iallgather",
                 "bcast", "ibcast", "barrier", "ibarrier", "send", "recv", "isend", "irecv", "sendrecv",
@@ -91,7 +91,7 @@ def main() -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    rank = int(next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0"))
+    rank = launcher_rank()
     save_dir = command[command.index("--save-dir") + 1] if "--save-dir" in command else None
     moment, k = args.at.split(":")
     countdown = [int(k)]

@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import shutil
 import subprocess
 import sys
 import traceback
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import refimpl
+from refimpl.parallel.launcher import find_mpiexec, without_launcher
 
 ENV = "REFIMPL_TUTORIAL_SOLUTIONS"
 TUTORIALS = Path(__file__).resolve().parents[1]
@@ -190,22 +190,6 @@ class Exercises:
 # Launching MPI programs from a tutorial (a notebook cannot be run under mpiexec itself)
 # ------------------------------------------------------------------------------------------------
 
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "MV2_", "I_MPI_")
-
-
-def find_mpiexec() -> str:
-    """mpiexec next to this Python (the mpich wheel installs it in the virtual environment's bin/),
-    else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise FileNotFoundError("no mpiexec next to this Python or on PATH: pip install mpich "
-                                "(or pip install -e '.[mpi]' in the repository)")
-    return found
-
-
 def run_mpi(n: int, *args, timeout: float = 300, show: bool = True, check: bool = True) -> subprocess.CompletedProcess:
     """Run `mpiexec -n n <this python> *args`; print the command and (with show) what the ranks printed.
 
@@ -213,9 +197,13 @@ def run_mpi(n: int, *args, timeout: float = 300, show: bool = True, check: bool 
     the CompletedProcess (stdout and stderr as text); raises RuntimeError if the job fails and
     `check` is true.
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    mpiexec = find_mpiexec()  # the one next to this Python (the mpich wheel's), else on PATH
+    if mpiexec is None:
+        raise FileNotFoundError("no mpiexec next to this Python or on PATH: pip install mpich "
+                                "(or pip install -e '.[mpi]' in the repository)")
+    env = without_launcher()
     env.pop(ENV, None)  # the MPI programs are refimpl's own, never the exercises
-    command = [find_mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
+    command = [mpiexec, "-n", str(n), sys.executable, *map(str, args)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     shown = [a if "\n" not in a else "PROGRAM" for a in map(str, args)]
     print(f"$ mpiexec -n {n} python {' '.join(shown)}" + ("" if show else "   (output parsed below)"))
@@ -235,4 +223,4 @@ def last_json(done: subprocess.CompletedProcess) -> dict:
 
 
 __all__ = ["Exercises", "Wrong", "expect_close", "Result", "run_check", "title", "solutions_dir", "run_mpi",
-           "last_json", "find_mpiexec"]
+           "last_json"]
