@@ -13,7 +13,7 @@ has its own (a pipeline then needs no cross-stage sum of a shared weight).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,9 +43,6 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} must be divisible by n_head {self.n_head}")
         backend.check_dtype(self.dtype)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class GPT(Module):

@@ -165,10 +165,6 @@ class Placement:
         return len(self.table[0])
 
     @property
-    def num_ranks(self) -> int:
-        return 1 + max(max(row) for row in self.table)
-
-    @property
     def num_directions(self) -> int:
         return len(self.table)
 
