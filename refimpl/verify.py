@@ -125,10 +125,16 @@ def build_trainer(cfg, world, factory=None, model=None):
 
 # -- one configuration ---------------------------------------------------------------------------
 
+def _last_held(trainer, model) -> list:
+    """[the last parameter this rank holds]: the model's last, or in a pipeline its last stage's."""
+    stages = getattr(trainer, "stages", None)  # refimpl's Trainer: {index: stage} of this rank
+    return stages[max(stages)].parameters()[-1:] if stages else model.parameters()[-1:]
+
+
 class _InjectInf:
     """Put an inf into the gradients of `params` on their way in (the overflow test): the reference
-    into its last parameter's, the distributed run into those of every parameter the last rank holds
-    (in a pipeline it holds only some), so that both sides see an overflow in the same step."""
+    into its last parameter's, the distributed run into the last parameter the last rank holds, so
+    that both sides see an overflow in the same step."""
 
     def __init__(self, params) -> None:
         self.handles = [p.register_hook(self.with_inf) for p in params]
@@ -189,8 +195,8 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
     for step in range(cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
         skipped_before = _skipped(trainer)
-        hook = _InjectInf(distributed_model.parameters()) if step == inject_overflow and world.rank == world.size - 1 \
-            else None
+        hook = _InjectInf(_last_held(trainer, distributed_model)) \
+            if step == inject_overflow and world.rank == world.size - 1 else None
         loss = trainer.step(x, y)
         if hook is not None:
             hook.remove()

@@ -34,7 +34,7 @@ def run(world, spec: dict) -> dict:
     comm = world.with_collectives(c["collectives"])
     trainer = Trainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), comm, pp=c["pp"],
                       schedule=c["schedule"], micro_batches=c["m"], chunks=c["chunks"], clip=cfg.clip,
-                      checkpoint=c["checkpoint"], zero=c["zero"], bucket_bytes=c["bucket_bytes"])
+                      checkpoint=c["checkpoint"], zero=c["zero"], bucket_bytes=c["bucket_bytes"], precision=cfg.dtype)
     trainer.record_grads = True
     before = world.counters.snapshot()
     recorded = []
