@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refimpl.checkpointing import revolve, simulate
+from refimpl.checkpointing import revolve, simulate_chain
 from refimpl.checkpointing.measure import measure_chain, tanh_chain
 
 
@@ -55,7 +55,7 @@ def test_formula_equals_dynamic_program():
 
 @pytest.mark.parametrize("n,s", [(36, 7), (37, 7), (64, 3), (100, 4), (256, 8), (20, 1)])
 def test_plan_is_valid_and_reaches_the_minimum(n, s):
-    summary = simulate(revolve.plan(n, s), n)
+    summary = simulate_chain(revolve.plan(n, s), n)
     assert summary.advances == revolve.min_advances(n, s)
     assert summary.max_snapshots <= s and summary.records == n
 
@@ -73,7 +73,7 @@ def test_peak_grows_with_the_slots():
     """resolve_budget bisects over C; that needs the predicted peak to be monotone in C."""
     for own, saves_input in ((0, True), (20, False), (7, True)):
         for n in range(1, 30):
-            peaks = [simulate(revolve.plan(n, c), n, own_bytes=own, saves_input=saves_input).peak_bytes
+            peaks = [simulate_chain(revolve.plan(n, c), n, own_bytes=own, saves_input=saves_input).peak_bytes
                      for c in range(1, n + 1)]
             assert peaks == sorted(peaks), (n, own)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from refimpl.autograd import Tensor, backward, grad, saved_tensors
 from refimpl.checkpointing import (LayerCost, actions_for, checkpoint_sequential, measure_layer_cost, parse_plan,
-                                   predicted_cost, resolve_budget, revolve, simulate)
+                                   predicted_cost, resolve_budget, revolve, simulate_chain)
 from refimpl.checkpointing.gpt import apply_to_gpt, current_plan, gpt_forward
 from refimpl.checkpointing.measure import count_forward_calls, measure_chain, tanh_chain
 from refimpl.checkpointing.plans import Every, NoCheckpoint, Revolve, sqrt_segment
@@ -62,7 +62,7 @@ def test_gpt_gradients_are_bitwise_equal_to_no_checkpointing(plan, dtype):
             assert a.dtype == b.dtype and np.array_equal(a, b)
         assert gens_after == gens  # the next step draws the same masks as without checkpointing
         if not plan.startswith("budget"):  # (a budget probes block 0 once per forward)
-            assert sum(calls) == 2 * (5 + simulate(actions_for(plan, 5), 5).advances)
+            assert sum(calls) == 2 * (5 + simulate_chain(actions_for(plan, 5), 5).advances)
 
 
 def test_tied_embeddings_and_functional_grad():
@@ -110,7 +110,7 @@ def test_exact_counts_and_peaks_for_drawn_chains(n, k, c):
         assert (m.forward_calls, m.peak_states) == _expected(plan, n), plan
         actions = actions_for(plan, n)
         if actions is not None:  # the simulation of the schedule predicts the same
-            s = simulate(actions, n, input_bytes=m.input_bytes)
+            s = simulate_chain(actions, n, input_bytes=m.input_bytes)
             assert (s.forward_calls, s.peak_bytes) == (m.forward_calls, m.peak_bytes)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from refimpl.autograd import Tensor, saved_tensors
 from refimpl.checkpointing import actions_for, apply_to_gpt, checkpoint, count_forward_calls, measure_chain, revolve
-from refimpl.checkpointing import simulate as simulate_actions
+from refimpl.checkpointing import simulate_chain
 from refimpl.checkpointing.measure import tanh_chain
 from refimpl.data import SortTask
 from refimpl.nn import GPT, GPTConfig
@@ -87,10 +87,10 @@ for plan in ("none", "sqrt", "every:2", "every:8", "revolve:2", "revolve:4"):
 # %%
 for action in actions_for("sqrt", 9):
     print(action)
-print(simulate_actions(actions_for("sqrt", 9), 9))
+print(simulate_chain(actions_for("sqrt", 9), 9))
 
 # %% [markdown]
-# `simulate` predicts advances and peak from the actions alone; the tests check the prediction
+# `simulate_chain` predicts advances and peak from the actions alone; the tests check the prediction
 # against the counters and the ledger. Its `peak_bytes` is in layer inputs: it counts each kept
 # state as `input_bytes`, which defaults to 1. So `peak_bytes=5` is 5 layer inputs: the snapshots
 # of x₀ and x₃ and the 3 inputs of the segment being recorded (for 16 layers the table's `sqrt`
@@ -165,7 +165,7 @@ assert result["ok"]
 # then every k layers. Forward part: for each segment but the last, `Snapshot(start)` and
 # `Advance(start, stop)`; then `Record` and `Backprop` of the last segment (if the last segment
 # starts at 0, snapshot x₀ first, and free it at the very end). Backward part, segments from last
-# to first: `Restore`, `Record`, `Backprop`, `Free`. The check validates it with `simulate`,
+# to first: `Restore`, `Record`, `Backprop`, `Free`. The check validates it with `simulate_chain`,
 # compares its cost with refimpl's, then its actions, one by one, with refimpl's `every:K`
 # schedule, and runs it in the engine, where the gradients must equal a plain backward bit for
 # bit.

@@ -15,13 +15,13 @@ For a chain of n equal layers, each recorded layer saving R bytes and each layer
     checkpoint(fn, *args)                     one function, recomputed in backward (checkpoint.py)
     checkpoint_sequential(layers, x, plan)    a chain under a plan (sequential.py)
     parse_plan, actions_for, resolve_budget   plans (plans.py); revolve's formulas (revolve.py)
-    simulate                                  a schedule's cost from its actions (actions.py)
+    simulate_chain                            a schedule's cost from its actions (actions.py)
     apply_to_gpt, gpt_forward, current_plan   the GPT's blocks under a plan (gpt.py)
     count_forward_calls, measure_chain        exact measurements (measure.py)
 """
 
 from . import actions, revolve
-from .actions import simulate
+from .actions import simulate_chain
 from .checkpoint import checkpoint
 from .gpt import apply_to_gpt, current_plan, gpt_forward
 from .measure import count_forward_calls, measure_chain
@@ -29,5 +29,5 @@ from .plans import PLAN_FORMS, LayerCost, actions_for, parse_plan, predicted_cos
 from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
 
 __all__ = ["checkpoint", "checkpoint_sequential", "parse_plan", "PLAN_FORMS", "actions_for", "resolve_budget",
-           "resolve_plan", "predicted_cost", "LayerCost", "measure_layer_cost", "simulate", "actions", "revolve",
+           "resolve_plan", "predicted_cost", "LayerCost", "measure_layer_cost", "simulate_chain", "actions", "revolve",
            "apply_to_gpt", "current_plan", "gpt_forward", "count_forward_calls", "measure_chain"]

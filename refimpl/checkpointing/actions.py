@@ -15,7 +15,7 @@ from x_(k-1). A schedule says when each state is computed, kept or dropped:
 Every plan (plans.py, revolve.py) is a function from n to such a list, and one executor
 (executor.py) runs any list inside the autograd engine: the actions before the first Backprop are
 the forward pass (they end with layer n recorded, so its output is the chain's output), the rest
-run during backward. `simulate` checks a list and counts what it costs, from the actions alone:
+run during backward. `simulate_chain` checks a list and counts what it costs, from the actions alone:
 
     advances      layer forwards without grad: the recomputations (every layer is recorded
                   exactly once in every valid schedule, so total forwards = n + advances)
@@ -83,7 +83,7 @@ class Summary:
     advances: int  # layer forwards without grad (recomputations)
     records: int  # layer forwards with grad (exactly n in a valid schedule)
     max_snapshots: int  # most snapshot slots held at once
-    peak_bytes: int  # predicted peak of the chain's saved bytes (the layer model of simulate)
+    peak_bytes: int  # predicted peak of the chain's saved bytes (the layer model of simulate_chain)
     forward_actions: int  # actions run in the forward pass
 
     @property
@@ -91,8 +91,8 @@ class Summary:
         return self.advances + self.records
 
 
-def simulate(actions: list, n: int, *, input_bytes: int = 1, own_bytes: int = 0,
-             saves_input: bool = True) -> Summary:
+def simulate_chain(actions: list, n: int, *, input_bytes: int = 1, own_bytes: int = 0,
+                   saves_input: bool = True) -> Summary:
     """Check that `actions` reverse a chain of n layers; count advances and predict peak bytes.
 
     Arrays are tracked by identity, as the engine's ledger counts them: a restored snapshot is the

@@ -28,7 +28,7 @@ beyond the n that any backward needs (see actions.py: every layer is recorded ex
                  bytes is at most B (ties: the smaller peak). Candidates: none, every:K for all K,
                  revolve:C for all useful C. B accepts a suffix: 64MiB, 2GB, 512KiB...
 
-The peak of a plan is predicted by simulating its actions (actions.simulate) with the layer's
+The peak of a plan is predicted by simulating its actions (actions.simulate_chain) with the layer's
 measured A, R and whether it saves its input array (LayerCost); the tests check the prediction
 against the engine's ledger.
 """
@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass
 
 from . import revolve
-from .actions import Advance, Backprop, Free, Record, Restore, Snapshot, simulate
+from .actions import Advance, Backprop, Free, Record, Restore, Snapshot, simulate_chain
 
 PLAN_FORMS = "none, sqrt, every:K, revolve:C, budget:BYTES"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -174,7 +174,7 @@ def predicted_cost(plan, n: int, cost: LayerCost) -> tuple[int, int]:
     actions = actions_for(plan, n)
     if actions is None:
         return 0, n * cost.recorded_bytes
-    s = simulate(actions, n, input_bytes=cost.input_bytes, own_bytes=cost.own_bytes, saves_input=cost.saves_input)
+    s = simulate_chain(actions, n, input_bytes=cost.input_bytes, own_bytes=cost.own_bytes, saves_input=cost.saves_input)
     return s.advances, s.peak_bytes
 
 

@@ -26,7 +26,7 @@ from fractions import Fraction
 from refimpl.console import emit_json, log
 from refimpl.parallel.pipeline.actions import Overlapped, Schedule, format_rank
 from refimpl.parallel.pipeline.formulas import ClosedForm, closed_form
-from refimpl.parallel.pipeline.render import chrome_trace, render_png, render_svg, render_text
+from refimpl.parallel.pipeline.render import render_png, render_svg, render_text, render_trace
 from refimpl.parallel.pipeline.schedules import SCHEDULES, build
 from refimpl.parallel.pipeline.simulate import Costs, Timeline, simulate
 from refimpl.parallel.pipeline.validate import Report, validate
@@ -287,7 +287,7 @@ def run(args) -> int:
         render_png(timeline, out)
     elif render == "trace":
         with open(out, "w") as f:
-            json.dump(chrome_trace(timeline), f)
+            json.dump(render_trace(timeline), f)
     if render != "text" and out:
         log(f"wrote {out}")
     if args.json:

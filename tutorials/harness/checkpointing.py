@@ -9,7 +9,7 @@ import numpy as np
 
 from refimpl.autograd import Tensor
 from refimpl.checkpointing import measure_chain, revolve
-from refimpl.checkpointing.actions import simulate
+from refimpl.checkpointing.actions import simulate_chain
 from refimpl.checkpointing.executor import run_schedule
 from refimpl.checkpointing.measure import tanh_chain
 from refimpl.checkpointing.plans import segment_actions
@@ -48,9 +48,9 @@ def check_every_k_schedule(every_k_schedule) -> None:
     """Check: the every:K schedule as actions."""
     for n, k in [(1, 1), (4, 2), (6, 4), (7, 3), (9, 3), (5, 5), (8, 1)]:
         actions = list(every_k_schedule(n, k))
-        reference = simulate(segment_actions(n, k), n)
+        reference = simulate_chain(segment_actions(n, k), n)
         try:
-            summary = simulate(actions, n)
+            summary = simulate_chain(actions, n)
         except ValueError as exc:
             raise Wrong(f"n={n}, K={k}: {exc}") from None
         if summary.advances != reference.advances:

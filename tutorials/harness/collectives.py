@@ -13,7 +13,7 @@ student's) runs on a simulated ring:
 
 Messages are buffered (a send copies its data when it is posted) and matched first in, first out;
 a rank resumes once every receive it posted has arrived. If no rank can resume, the simulation
-stops with a Deadlock that says who waits for what.
+stops with a RingDeadlock that says who waits for what.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from refimpl.parallel import ring
 from . import Wrong
 
 
-class Deadlock(RuntimeError):
+class RingDeadlock(RuntimeError):
     pass
 
 
@@ -98,7 +98,7 @@ def run_ring(algorithm, buffers: list, *args, trace: list | None = None) -> list
             progressed = True
         if not progressed:
             stuck = [r for r in range(size) if not finished[r]]
-            raise Deadlock(f"deadlock: ranks {stuck} wait for messages their left neighbours never send")
+            raise RingDeadlock(f"deadlock: ranks {stuck} wait for messages their left neighbours never send")
     leftover = [r for r in range(size) if mailboxes[r]]
     if leftover:
         raise Wrong(f"rank(s) {leftover} were sent messages they never received")
@@ -121,7 +121,7 @@ def _run(algorithm, buffers: list, length: int) -> list[int]:
     """run_ring, with the ring's size and the buffer's length added to any complaint."""
     try:
         return run_ring(algorithm, buffers)
-    except (Deadlock, Wrong) as exc:
+    except (RingDeadlock, Wrong) as exc:
         raise Wrong(f"with {len(buffers)} ranks and {length} elements: {exc}") from None
 
 

@@ -172,8 +172,9 @@ def render_png(timeline: Timeline, path: str) -> None:
     plt.close(fig)
 
 
-def chrome_trace(timeline: Timeline, microseconds_per_unit: float = 1000.0) -> dict:
-    """Chrome trace-event JSON: one thread per rank, one complete event per step."""
+def render_trace(timeline: Timeline, microseconds_per_unit: float = 1000.0) -> dict:
+    """Chrome trace-event JSON of a simulated timeline: one thread per rank, one complete event per
+    step. (A measured run's trace is timeline.chrome_trace.)"""
     schedule = timeline.schedule
     events = [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
@@ -196,4 +197,4 @@ def chrome_trace(timeline: Timeline, microseconds_per_unit: float = 1000.0) -> d
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["render_text", "render_svg", "render_png", "chrome_trace", "action_label", "step_label"]
+__all__ = ["render_text", "render_svg", "render_png", "render_trace", "action_label", "step_label"]
