@@ -16,7 +16,7 @@ The only exception is mixed precision's skipped step (optim/precision.py): when 
 scale makes a gradient overflow, both runs must skip that step (their gradients then hold infs on
 purpose); a step that one side skips and the other does not is a failure.
 
-Default tolerances (DESIGN.md): float64 rtol 1e-10, atol 1e-12; float32 rtol 1e-5, atol 1e-6.
+Default tolerances (docs/design.md, "Conventions"): float64 rtol 1e-10, atol 1e-12; float32 rtol 1e-5, atol 1e-6.
 Mixed precision's tolerance has its own formula (compare_mixed.mixed_tolerance, docs/verify_your_algorithm.md).
 """
 

@@ -117,7 +117,7 @@ def gpt_step(steps: int = 2, dropout: float = 0.0, checkpoint: str = "none", see
 
 
 def assert_same(got: dict, want: dict, rtol: float = 1e-10, atol: float = 1e-12, what: str = "") -> None:
-    """Every array of `got` equals `want`'s within float64 tolerances (DESIGN.md)."""
+    """Every array of `got` equals `want`'s within float64 tolerances (docs/design.md, "Conventions")."""
     assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
     for key in want:
         if want[key] is None:

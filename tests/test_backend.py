@@ -1,8 +1,9 @@
 """The array backend on any machine: choosing it, its errors, its helpers, and the backend-generic
 cases of tests/backend_cases.py on the NumPy backend (tests/test_gpu.py runs them on CuPy).
 
-Also an audit: refimpl calls NumPy itself only where the host is meant (DESIGN.md, "One array
-module"); everywhere else it asks backend.xp(), so that the CuPy backend is a switch, not a fork.
+Also an audit: refimpl calls NumPy itself only where the host is meant (docs/gpu.md, "How the
+switch works"); everywhere else it asks backend.xp(), so that the CuPy backend is a switch, not a
+fork.
 """
 
 from __future__ import annotations

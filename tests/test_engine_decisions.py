@@ -1,4 +1,5 @@
-"""The engine decisions of DESIGN.md: saved-tensor accounting, hooks and their order, flat views."""
+"""The engine decisions of docs/design.md ("Decisions later features depend on"): saved-tensor
+accounting, hooks and their order, flat views."""
 
 import numpy as np
 import pytest

@@ -2,7 +2,7 @@
 
     python -m pytest -q -m gpu tests/test_gpu.py            (benchmarks/gpu_check.sh runs it)
 
-What is compared, in float64 with DESIGN.md's tolerances (rtol 1e-10, atol 1e-12):
+What is compared, in float64 with the tolerances of docs/design.md (rtol 1e-10, atol 1e-12):
   * every op of tests/backend_cases.py, forward and backward, with its output on the device;
   * AdamW steps of a small GPT, plain and with dropout plus checkpointing: losses, gradients and
     parameters (the same weights and dropout masks: both are drawn on the host);

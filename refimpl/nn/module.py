@@ -6,7 +6,7 @@
     train() / eval()     switch dropout on and off
     zero_grad()          zero gradients in place (flat gradient buffers stay intact)
 
-Hooks, in the order they fire for one call (tests/test_nn_hooks.py checks this order):
+Hooks, in the order they fire for one call (tests/test_engine_decisions.py checks this order):
 
     forward pre-hook   hook(module, args) -> new args or None          before forward
     forward hook       hook(module, args, output) -> new output or None  after forward
