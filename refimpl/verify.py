@@ -8,7 +8,7 @@ every parameter with refimpl/compare.py: it passes when every value is finite an
 
     |distributed − reference| <= atol + rtol · |reference|
 
-with rtol 1e-10, atol 1e-12 in float64 and rtol 1e-5, atol 1e-6 in float32 (DESIGN.md's
+with rtol 1e-10, atol 1e-12 in float64 and rtol 1e-5, atol 1e-6 in float32 (docs/design.md's
 tolerances; --rtol and --atol override them). A NaN or inf anywhere fails, naming the step, the
 tensor and the side.
 

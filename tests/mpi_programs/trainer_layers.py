@@ -60,7 +60,6 @@ def main() -> None:
                              "seq_len": 8, "batch_size": 16, "steps": 2, **case})
         layer = ToyLayer()
         plain, layered = train(world, cfg, ()), train(world, cfg, (layer,))
-        counted = world.counters.snapshot()  # noqa: F841 - the layer's calls are also the world's
         identical = plain[0] == layered[0] and same(plain[1], layered[1]) and same(plain[2], layered[2])
         calls = layer.comm.counters.snapshot().get("allreduce", {}).get("calls", 0)
         results.append({"identical": identical, "actions": layer.actions, "layer_allreduces": calls,

@@ -56,7 +56,6 @@ import tempfile
 
 import numpy as np
 
-from refimpl import backend
 from refimpl.console import emit_json, log
 from refimpl.parallel import watchdog
 from refimpl.parallel.failure import AgreedError, agree
