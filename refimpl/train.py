@@ -30,8 +30,9 @@ from refimpl.memory import parse_bytes, memory_by_rank, track_replicated
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
-from refimpl.optim import OPTIMIZERS, clip_coefficient, clip_grad_norm_, squared_norm
+from refimpl.optim import OPTIMIZERS, clip_grad_norm_, scale_to_max_norm_, squared_norm
 from refimpl.optim.precision import LossScaler
+from refimpl.optim.whole_state import load_whole, whole_pieces
 from refimpl.parallel import watchdog
 
 # Per-model defaults (the demo settings); a flag given on the command line overrides them.
@@ -226,10 +227,7 @@ class LocalTrainer:
             g *= 1.0 / self.scaler.scale
         overflow = not all(bool(xp.isfinite(g).all()) for g in grads)
         if not overflow and self.clip > 0:
-            coefficient = clip_coefficient(squared_norm(grads), self.clip)
-            if coefficient < 1.0:
-                for g in grads:
-                    g *= coefficient
+            scale_to_max_norm_(grads, squared_norm(grads), self.clip)
         self._record(grads)
         if not overflow:
             for p, master, g, state in zip(self.params, self.masters, grads, self.states):
@@ -239,12 +237,8 @@ class LocalTrainer:
 
     def load_mixed_state(self, masters: dict, optimizer_state: dict) -> None:
         """Take another run's master weights, optimizer state and loss scale (Trainer.full_optimizer_state, parallel/trainer.py)."""
-        for (name, p), master, state in zip(self.model.named_parameters(), self.masters, self.states):
-            master[...] = backend.asarray(masters[name]).reshape(master.shape)
-            p.data[...] = master
-            for key, arrays in optimizer_state["arrays"].items():
-                state[key][...] = backend.asarray(arrays[name]).reshape(master.shape)
-            state["step"] = optimizer_state["step"]
+        load_whole(list(self.model.named_parameters()), self.masters, self.states, masters, optimizer_state["arrays"],
+                   optimizer_state["step"])
         self.scaler.load_state_dict(optimizer_state["loss_scaler"])
 
     def _record(self, grads) -> None:
@@ -263,33 +257,23 @@ class LocalTrainer:
         return {"precision": "mixed", "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
 
     # -- sharded checkpoints (parallel/zero/checkpoint.py): one process holds the whole state -----
+    def _whole_state(self) -> tuple[list, list]:
+        """(masters, states): the arrays the optimizer updates and their states, one per parameter."""
+        if self.scaler is not None:
+            return self.masters, self.states
+        return [p.data for p in self.params], self.optimizer.state
+
     @property
     def optimizer_steps(self) -> int:
-        states = self.states if self.scaler is not None else self.optimizer.state
+        states = self._whole_state()[1]
         return int(states[0]["step"]) if states else 0
 
     def checkpoint_pieces(self) -> list:
         """[(name, 0, numel, {"master": array, state key: array})] of every parameter."""
-        masters = self.masters if self.scaler is not None else [p.data for p in self.params]
-        states = self.states if self.scaler is not None else self.optimizer.state
-        pieces = []
-        for (name, p), master, state in zip(self.model.named_parameters(), masters, states):
-            arrays = {"master": backend.to_host(master).reshape(-1)}
-            arrays.update({k: backend.to_host(v).reshape(-1) for k, v in state.items() if hasattr(v, "nbytes")})
-            pieces.append((name, 0, p.size, arrays))
-        return pieces
+        return whole_pieces(list(self.model.named_parameters()), *self._whole_state())
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
-        own = self.states if self.scaler is not None else self.optimizer.state
-        for i, ((name, p), state) in enumerate(zip(self.model.named_parameters(), own)):
-            master = self.masters[i] if self.scaler is not None else p.data
-            master[...] = backend.asarray(masters[name].reshape(p.shape), dtype=master.dtype)
-            if master is not p.data:
-                p.data[...] = master
-            for key, value in state.items():
-                if hasattr(value, "nbytes"):
-                    value[...] = backend.asarray(states[key][name].reshape(value.shape), dtype=value.dtype)
-            state["step"] = step
+        load_whole(list(self.model.named_parameters()), *self._whole_state(), masters, states, step)
 
 
 @no_grad()

@@ -24,8 +24,14 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     """Scale the gradients of `params` in place so their global norm is at most max_norm; return the norm before."""
     grads = [p.grad for p in params if p.grad is not None]
     total = squared_norm(grads)
-    coefficient = clip_coefficient(total, max_norm)
+    scale_to_max_norm_(grads, total, max_norm)
+    return total ** 0.5
+
+
+def scale_to_max_norm_(grads, total_squared_norm: float, max_norm: float) -> None:
+    """Scale `grads` in place by clip_coefficient(total_squared_norm, max_norm). The squared norm is
+    given so that a sharded or pipelined trainer can first sum it over the ranks that hold the rest."""
+    coefficient = clip_coefficient(total_squared_norm, max_norm)
     if coefficient < 1.0:
         for g in grads:
             g *= coefficient
-    return total ** 0.5

@@ -21,6 +21,10 @@ Communication per step per rank, ring counting (comm.py): 2Ψ(N−1)/N elements 
 for both versions (buckets change the number of calls, not the volume); gradient accumulation
 communicates only once, on the last micro-batch.
 
+This is a gradient strategy of the one trainer (parallel/trainer.py), which runs the micro-batches
+and wraps every action in `around`. In a pipeline a rank holds some stages and "the last
+micro-batch" is a stage's last backward of the step; buckets never span two stages.
+
 What production DDP (PyTorch) does differently: it learns the bucket order from the first
 iteration's actual gradient order, lets the all-reduces run on a separate thread (no polling), and
 averages instead of summing (its loss is a per-rank mean).
@@ -32,7 +36,8 @@ from contextlib import contextmanager
 
 from refimpl import backend
 from refimpl.memory import track_replicated
-from refimpl.optim import StepResult, clip_coefficient, squared_norm
+from refimpl.optim import StepResult, scale_to_max_norm_, squared_norm
+from refimpl.optim.whole_state import load_whole, whole_pieces
 
 MODES = ("bucketed", "naive")
 
@@ -90,10 +95,7 @@ class DataParallel:
             if self.norm_total is not None:  # the other pipeline stages
                 total = self.norm_total(total)
             norm = total ** 0.5
-            coefficient = clip_coefficient(total, self.clip)
-            if coefficient < 1.0:
-                for g in grads:
-                    g *= coefficient
+            scale_to_max_norm_(grads, total, self.clip)
         self.optimizer.step()
         return StepResult(True, grads, norm)
 
@@ -116,24 +118,14 @@ class DataParallel:
         return int(self.optimizer.state[0]["step"]) if self.optimizer.state else 0
 
     def checkpoint_pieces(self, stages, writes_whole: bool) -> list:
-        pieces = []
-        if writes_whole:
-            wanted = {id(p) for s in stages for p in self.parts[s].parameters()}
-            for (name, p), state in zip(self.named, self.optimizer.state):
-                if id(p) not in wanted:
-                    continue
-                arrays = {"master": backend.to_host(p.data).reshape(-1)}
-                arrays.update({k: backend.to_host(v).reshape(-1) for k, v in state.items() if hasattr(v, "nbytes")})
-                pieces.append((name, 0, p.size, arrays))
-        return pieces
+        if not writes_whole:
+            return []
+        wanted = {id(p) for s in stages for p in self.parts[s].parameters()}
+        kept = [(name, p, state) for (name, p), state in zip(self.named, self.optimizer.state) if id(p) in wanted]
+        return whole_pieces([(name, p) for name, p, _ in kept], [p.data for _, p, _ in kept], [s for *_, s in kept])
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
-        for (name, p), state in zip(self.named, self.optimizer.state):
-            p.data[...] = backend.asarray(masters[name].reshape(p.shape), dtype=p.dtype)
-            for key, value in state.items():
-                if hasattr(value, "nbytes"):
-                    value[...] = backend.asarray(states[key][name].reshape(value.shape), dtype=value.dtype)
-            state["step"] = step
+        load_whole(self.named, [p.data for p in self.params], self.optimizer.state, masters, states, step)
 
 
 def assign_buckets(param_bytes: list[int], bucket_bytes: int) -> list[list[int]]:

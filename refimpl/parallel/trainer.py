@@ -117,15 +117,7 @@ class Trainer:
         holders = sorted({r for s in self.stages for r in placement.ranks_of(s)})
         self.copies = world.split(color=self.mesh.dp_index * pp + holders[0], key=p) if len(holders) > 1 else None
         # 3 and 5: the gradient strategy over the data-parallel group, with precision and the optimizer
-        norm_total = any_rank = None
-        if pp > 1:
-            pp_comm = self.mesh.pp_comm
-
-            def norm_total(local):  # Σ over the pipeline of each stage's ‖g_s‖², each stage once
-                return pp_comm.allreduce_value(local if self.counts_its_stages else 0.0)
-
-            def any_rank(flag):  # an overflow on any stage skips the step everywhere
-                return pp_comm.allreduce_value(flag, "max")
+        norm_total, any_rank = (self._pipeline_norm, self._pipeline_any) if pp > 1 else (None, None)
         dp_comm = self.mesh.dp_comm
         if zero == 0 and precision != "mixed":
             from .data_parallel import DataParallel  # noqa: PLC0415
@@ -194,6 +186,14 @@ class Trainer:
         self.sharding.end_step(result)
         self.steps_done += 1
         return self.world.allreduce_value(record.loss)
+
+    def _pipeline_norm(self, local: float) -> float:
+        """Σ over the pipeline of each stage's ‖g_s‖² (local: this rank's stages), each stage counted once."""
+        return self.mesh.pp_comm.allreduce_value(local if self.counts_its_stages else 0.0)
+
+    def _pipeline_any(self, flag: float) -> float:
+        """An overflow on any stage (flag 1.0) skips the step on every rank."""
+        return self.mesh.pp_comm.allreduce_value(flag, "max")
 
     @contextmanager
     def _around(self, action, last: bool):

@@ -30,7 +30,7 @@ gradients of step 1 are registered as transient "gradient_buckets" while the ste
 from __future__ import annotations
 
 from refimpl import backend
-from refimpl.optim import StepResult, clip_coefficient, squared_norm
+from refimpl.optim import StepResult, scale_to_max_norm_, squared_norm
 
 
 class ShardedOptimizer:
@@ -89,10 +89,7 @@ class ShardedOptimizer:
             if self.norm_total is not None:
                 total = self.norm_total(total)
             norm = total ** 0.5
-            coefficient = clip_coefficient(total, self.clip)
-            if coefficient < 1.0:
-                for g in grads:
-                    g *= coefficient
+            scale_to_max_norm_(grads, total, self.clip)
         for master, g, state, block in zip(self.masters, grads, self.states, self.param_blocks):
             self.optimizer.update(master, g, state)  # 3. the same update as single-process training
             if master is not block:
