@@ -149,7 +149,7 @@ class _Buckets:
     def __init__(self, params, comm, bucket_bytes: int) -> None:
         xp = backend.xp()
         self.comm = comm
-        self.sync = True
+        self.sync = False  # the trainer turns it on for a stage's last backward (DataParallel.around)
         params = list(params)
         self.groups = [[params[i] for i in bucket]  # parameters of each bucket, in backward order
                        for bucket in assign_buckets([p.data.nbytes for p in params], bucket_bytes)]
@@ -171,6 +171,9 @@ class _Buckets:
         self.requests: dict[int, object] = {}
 
     def _ready(self, param) -> None:
+        if self.bucket_of[id(param)] in self.requests:  # its all-reduce may already have read the bucket
+            raise RuntimeError("DDP: a gradient was accumulated into a bucket whose all-reduce had already started "
+                               "(the bucket's count of pending gradients is wrong)")
         if not self.sync:
             return
         b = self.bucket_of[id(param)]

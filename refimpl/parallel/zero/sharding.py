@@ -151,6 +151,9 @@ class ZeroSharding:
 
     def _after_accumulate(self, param) -> None:
         g = self._group_of[id(param)]
+        if g in self._reduced:  # its reduction may already have read the buffer
+            raise RuntimeError(f"ZeRO: a gradient was accumulated into flat group {g} after its reduction had started "
+                               "(the group's count of pending gradients is wrong)")
         self._pending[g] -= 1
         if self._pending[g] == 0 and self._reducing:
             self._start(self.groups[g])
