@@ -5,7 +5,8 @@ user's sweep and CI check the same things: every ZeRO stage (0-3), built-in and 
 naive and bucketed DDP, gradient accumulation, AdamW and SGD, clipping on and off, the GPT with
 dropout and activation checkpointing that really recomputes (at least 4 blocks; every:K, sqrt,
 revolve), the MLP, and, where the world size allows, every pipeline schedule on a dp × pp mesh
-(with ZeRO-1 and checkpointing inside the stages). All in float64 with small models, 2 steps each.
+(with every ZeRO stage and checkpointing inside the stages). All in float64 with small models,
+2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py).
 
 `draw_flags(world_size, choose)` takes the chooser as an argument: `verify --sweep` passes one
 backed by a seeded NumPy generator (the seed is printed; `--sweep-seed` replays a sweep), the
@@ -61,9 +62,12 @@ def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
         layers_per_stage = choose("layers_per_stage", [1, 2])
         n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer
         dp = world_size // pp
+        zero = choose("zero", [0, 1, 2, 3])
         flags += ["--schedule", name, "--pp", pp, "--micro-batches", m, "--n-layer", max(n_layer, 1),
                   "--batch-size", dp * m * choose("examples_per_micro_batch", [1, 2]),
-                  "--zero", choose("zero", [0, 1])]
+                  "--zero", zero, "--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
+        if zero == 3:  # prefetch follows one micro-batch's module order: not with a pipeline
+            flags += ["--param-threshold", choose("param_threshold", [0, 17])]
         if name == "interleaved":
             flags += ["--chunks", stages // pp]
         if model == "gpt" and layers_per_stage > 1:  # recomputation inside a stage

@@ -177,6 +177,9 @@ def mixed_cases(world):
     cases.append(MIXED + ["--zero", "2", "--grad-accum", "2", "--batch-size", str(4 * world), "--optimizer", "sgd",
                           "--clip", "0", "--collectives", "ring"])
     cases.append(MIXED + ["--model", "mlp", "--zero", "3", "--batch-size", str(8 * world), "--clip", "0"])
+    if world % 2 == 0:  # mixed precision inside a pipeline: the loss scale travels with the gradients between stages
+        cases.append(MIXED + ["--zero", "3", "--pp", "2", "--schedule", "zb1p", "--micro-batches", "2", "--n-layer", "2",
+                              "--batch-size", str(4 * world)])
     cases.append(MIXED + ["--zero", "1", "--batch-size", str(4 * world), "--inject-overflow", "1"])
     return cases
 

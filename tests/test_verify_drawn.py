@@ -3,8 +3,8 @@
 hypothesis draws configurations from the space `verify --sweep` draws from (refimpl/sweep.py:
 ZeRO 0-3, built-in and ring collectives, naive and bucketed DDP, gradient accumulation, AdamW and
 SGD, clipping, the GPT with dropout and checkpointing that recomputes (>= 4 blocks; every:K, sqrt,
-revolve), the MLP, every pipeline schedule with GPT and MLP stages on dp x pp meshes, ZeRO-1 in a
-pipeline), new ones on every run (conftest.py prints the run's seed). Launching mpiexec costs more
+revolve), the MLP, every pipeline schedule with GPT and MLP stages on dp x pp meshes, every ZeRO
+stage inside a pipeline), new ones on every run (conftest.py prints the run's seed). Launching mpiexec costs more
 than verifying a small configuration, so one launch per world size verifies a whole list
 (tests/mpi_programs/verify_many.py, the code `verify` runs). Per run: world sizes 2, 3 and 4
 (1 as a small share), DRAWN configurations each, plus the pinned examples below; the deep profile
@@ -18,7 +18,8 @@ Pinned examples (@example), the configurations that matter most:
     parameter; world size 3 (blocks of unequal length, padding);
   * dropout with real recomputation: every:1, sqrt and revolve:1 over 4-5 blocks;
   * DualPipe and DualPipeV (GPT and MLP stages), ZB-V with checkpointing, interleaved on dp 2 x pp 2,
-    ZeRO-1 inside a pipeline, an MLP pipeline with 1F1B.
+    ZeRO-1, -2 and -3 inside a pipeline (ZeRO-3 with DualPipe's two copies, ZeRO-2 with ZB-H1's
+    split backward), an MLP pipeline with 1F1B.
 """
 
 import json
@@ -70,7 +71,11 @@ PINNED = {
               "--model gpt --n-layer 8 --schedule zbv --pp 2 --micro-batches 4 --batch-size 16 --checkpoint sqrt",
               "--model gpt --n-layer 4 --schedule interleaved --pp 2 --micro-batches 2 --batch-size 8",
               "--model gpt --n-layer 4 --schedule dualpipev --pp 2 --micro-batches 4 --batch-size 16 --zero 1",
-              "--model mlp --n-layer 3 --schedule dualpipe --pp 4 --micro-batches 8 --batch-size 16"),
+              "--model mlp --n-layer 3 --schedule dualpipe --pp 4 --micro-batches 8 --batch-size 16",
+              "--model gpt --n-layer 2 --schedule zb1p --pp 2 --micro-batches 4 --batch-size 16 --zero 2 "
+              "--bucket-bytes 1000 --dropout 0.1",
+              "--model gpt --n-layer 2 --schedule dualpipe --pp 2 --micro-batches 4 --batch-size 16 --zero 3 "
+              "--param-threshold 17"),
 }
 
 
