@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 from refimpl import fits  # noqa: E402
 from refimpl.memory import parse_bytes  # noqa: E402
 from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
-from refimpl.train import TrainConfig, add_arguments, build_task, config_from_args  # noqa: E402
+from refimpl.commands.train import add_arguments, config_from_args  # noqa: E402
+from refimpl.train import TrainConfig, build_task  # noqa: E402
 
 HUGE = (["--n-layer", "1000000"], ["--seq-len", "10000000"], ["--batch-size", str(10**12)])
 TWO_RANKS = ["--steps", "2", "--batch-size", "8", "--zero", "1"]

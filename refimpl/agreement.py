@@ -33,7 +33,7 @@ from refimpl.parallel.failure import AgreedError, on_ranks
 def describe_run(cfg, task, model) -> dict[str, object]:
     """What this rank is about to train (see the module docstring)."""
     if cfg.data is not None:
-        from refimpl.parallel.zero.fingerprint import file_sha256  # noqa: PLC0415
+        from refimpl.saved_runs.fingerprint import file_sha256  # noqa: PLC0415
 
         data = f"--data {cfg.data} with SHA-256 {file_sha256(cfg.data)[:16]}… and {task.vocab_size} characters"
     else:

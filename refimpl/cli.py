@@ -1,7 +1,7 @@
 """Command line: `python -m refimpl {train, verify, schedule, memory, consolidate} ...`.
 
-Each command lives in its own module, which provides `add_arguments(parser)` and
-`run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
+Each command lives in its own module in refimpl/commands/, which provides `add_arguments(parser)`
+and `run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
 line (`error: ...`) with exit status 2, never as a traceback.
 """
 
@@ -19,11 +19,11 @@ from refimpl.parallel.comm import existing_world  # importing comm imports no MP
 from refimpl.parallel.launcher import launcher_rank
 
 COMMANDS = {
-    "train": ("refimpl.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
-    "verify": ("refimpl.verify", "check a distributed run against single-process training"),
+    "train": ("refimpl.commands.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
+    "verify": ("refimpl.commands.verify", "check a distributed run against single-process training"),
     "schedule": ("refimpl.commands.schedule", "generate, validate, simulate and draw a pipeline schedule"),
     "memory": ("refimpl.commands.memory", "ZeRO memory per rank: the paper's estimator and the measured ledger"),
-    "consolidate": ("refimpl.parallel.zero.checkpoint", "merge a sharded checkpoint into one state dict (.npz)"),
+    "consolidate": ("refimpl.commands.consolidate", "merge a sharded checkpoint into one state dict (.npz)"),
 }
 
 

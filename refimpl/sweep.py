@@ -1,4 +1,4 @@
-"""`verify --sweep N`: draw N configurations valid for this world size, and verify each one.
+"""The configurations `verify --sweep N` draws: valid for this world size, as verify flags.
 
 The space drawn from is the one the property tests draw from (tests/test_verify_drawn.py), so a
 user's sweep and CI check the same things: every ZeRO stage (0-3), built-in and ring collectives,
@@ -12,24 +12,20 @@ revolve), the MLP, and, where the world size allows, every pipeline schedule on 
 backed by a seeded NumPy generator (the seed is printed; `--sweep-seed` replays a sweep), the
 property tests one backed by hypothesis (`draw(st.sampled_from(options))`), which shrinks a
 failure to a small configuration. Each configuration is a list of command-line flags, so a
-failure prints the one command that reproduces it.
+failure prints the one command that reproduces it. The sweep itself -- verify each configuration,
+report, exit status -- is refimpl/commands/verify.py (run_sweep, verify_flags).
 """
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
-from refimpl.console import emit_json, log
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev")
 SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--steps", "2", "--dtype", "float64"]
 
 
 def _schedule_options(world_size: int) -> list:
     """(schedule, pp, [valid micro-batch counts], stages) that build for a pp dividing world_size."""
-    from refimpl.parallel.pipeline import build  # noqa: PLC0415
+    from refimpl.parallel.pipeline import SCHEDULES, build  # noqa: PLC0415
 
     options = []
     for pp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
@@ -95,58 +91,3 @@ def numpy_chooser(rng: np.random.Generator):
     """choose(name, options) backed by a NumPy generator."""
     return lambda name, options: options[int(rng.integers(len(options)))]
 
-
-def verify_flags(world, flags: list, factory=None) -> dict:
-    """Verify one configuration given as verify flags (collective); the result as verify_config's."""
-    from refimpl.train import config_from_args  # noqa: PLC0415
-    from refimpl.verify import add_arguments, verify_config  # noqa: PLC0415
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    args = parser.parse_args([str(f) for f in flags])
-    if args.steps is None:
-        args.steps = 2
-    cfg = config_from_args(args)
-    cfg.check()
-    return verify_config(cfg, world, factory, args.rtol, args.atol, args.inject_overflow, quiet=True)
-
-
-def run_sweep(args) -> int:
-    """verify --sweep N: draw, verify and report each configuration; exit 1 if any fails."""
-    from refimpl.parallel.comm import get_world as world_of  # noqa: PLC0415
-    from refimpl.verify import command_line, load_trainer_factory  # noqa: PLC0415
-
-    if args.sweep <= 0:
-        raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
-    if args.sweep_seed is not None and args.sweep_seed < 0:
-        raise ValueError(f"--sweep-seed must be >= 0 (a seed that a sweep printed), got {args.sweep_seed}")
-    factory = load_trainer_factory(args.trainer) if args.trainer else None
-    world = world_of("mpi")
-    seed = args.sweep_seed if args.sweep_seed is not None else int(np.random.SeedSequence().entropy % 2 ** 32)
-    seed = world.bcast_object(seed)  # one sweep: every rank draws the same configurations
-    rng = np.random.default_rng(seed)
-    if world.rank == 0:
-        log(f"verify --sweep {args.sweep} on {world.size} process(es), seed {seed} (replay: --sweep-seed {seed})")
-    results = []
-    for i in range(args.sweep):
-        flags = draw_flags(world.size, numpy_chooser(rng), pipeline=factory is None)
-        result = verify_flags(world, flags, factory)
-        if world.rank == 0:
-            line = f"[{i + 1}/{args.sweep}] {'PASS' if result['ok'] else 'FAIL'} tolerance used " \
-                   f"{result['tolerance_used']:.2g}: {' '.join(flags)}"
-            log(line)
-            if not result["ok"]:
-                for problem in result["problems"][:5]:
-                    log(f"    {problem}")
-                log(f"    reproduce: {command_line(world.size, flags + (['--trainer', args.trainer] if args.trainer else []))}")
-            results.append({"flags": flags, "ok": result["ok"], "tolerance_used": result["tolerance_used"],
-                            "problems": result["problems"]})
-    ok = all(r["ok"] for r in results) if world.rank == 0 else True
-    ok = bool(world.bcast_object(ok))
-    if world.rank == 0:
-        failed = sum(not r["ok"] for r in results)
-        log(f"verify --sweep {'PASS' if ok else 'FAIL'}: {len(results) - failed} of {len(results)} configurations "
-            f"equal single-process training on {world.size} process(es) (seed {seed})")
-        if args.json:
-            emit_json({"ok": ok, "seed": seed, "world_size": world.size, "sweep": results})
-    return 0 if ok else 1

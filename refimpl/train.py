@@ -1,4 +1,4 @@
-"""The training loop: `python -m refimpl train --model {gpt,mlp} ...`.
+"""The training loop and its builders; the single-process reference trainer.
 
 One optimizer step on a global batch of B examples split into g micro-batches (--grad-accum g):
 
@@ -8,25 +8,26 @@ Each micro-batch's backward accumulates (+=) into the parameters' gradients, so 
 gradient is that of the whole batch's mean loss whatever g is. Then gradients are clipped by global
 norm (--clip), the optimizer steps, and gradients are zeroed.
 
-The defaults are the demo: `python -m refimpl train --model gpt` learns to sort sequences of 8
-digits in a few seconds on two cores; `--model mlp` classifies 2-D spirals.
+Here: TrainConfig (every flag of a run), build_task / build_model / build_optimizer,
+LocalTrainer (one process, the reference that verify compares against), make_trainer (LocalTrainer
+or the distributed parallel/trainer.py), evaluate, and train(cfg), the loop itself. The command
+line, `python -m refimpl train ...`, is refimpl/commands/train.py; verify and memory build their
+runs from this module too.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import asdict, dataclass
-
 
 from refimpl import backend, fits
 from refimpl.agreement import check_same_run
 from refimpl.autograd import no_grad, saved_tensors
 from refimpl.checkpointing import count_forward_calls
-from refimpl.console import Progress, emit_json, log
+from refimpl.console import Progress
 from refimpl.data import SortTask, SpiralsTask, TextTask, accuracy
-from refimpl.memory import parse_bytes, memory_by_rank, track_replicated
+from refimpl.memory import memory_by_rank, track_replicated
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
@@ -63,7 +64,7 @@ class TrainConfig:
     collectives: str = "mpi"
     dp_mode: str = "bucketed"
     bucket_bytes: int = 1 << 20
-    # ZeRO, mixed precision, memory ledger, sharded checkpoints (refimpl/parallel/zero; docs/zero.md)
+    # ZeRO, mixed precision, memory ledger (refimpl/parallel/zero; docs/zero.md); sharded checkpoints (refimpl/saved_runs)
     zero: int = 0
     prefetch: int = 0
     param_threshold: int = 0
@@ -256,7 +257,7 @@ class LocalTrainer:
             return {}
         return {"precision": "mixed", "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
 
-    # -- sharded checkpoints (parallel/zero/checkpoint.py): one process holds the whole state -----
+    # -- sharded checkpoints (saved_runs/sharded.py): one process holds the whole state -----------
     def _whole_state(self) -> tuple[list, list]:
         """(masters, states): the arrays the optimizer updates and their states, one per parameter."""
         if self.scaler is not None:
@@ -351,8 +352,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         check_same_run(world, cfg, task, model)  # the same flags, data and model on every rank
     trainer = make_trainer(cfg, model, world)
     start_step = 0
-    if cfg.resume or cfg.save_dir:  # sharded checkpoints (parallel/zero/checkpoint.py)
-        from refimpl.parallel.zero import checkpoint as sharded  # noqa: PLC0415
+    if cfg.resume or cfg.save_dir:  # sharded checkpoints (refimpl/saved_runs/sharded.py)
+        from refimpl.saved_runs import sharded  # noqa: PLC0415
 
         start_step = sharded.resume(trainer, model, cfg, world) if cfg.resume else 0
         if cfg.save_dir:  # before the first step, not at the first save: writable, and not another run's
@@ -415,103 +416,3 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     summary["_model"] = model
     return summary
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=sorted(DEFAULTS), default="gpt",
-                   help="gpt: sorting task (or --data text); mlp: 2-D spirals (default gpt)")
-    p.add_argument("--steps", type=int, help="optimizer steps (gpt 400, mlp 600)")
-    p.add_argument("--batch-size", type=int, help="global batch size, split over ranks and micro-batches")
-    p.add_argument("--lr", type=float, help="learning rate (gpt 3e-3, mlp 1e-2)")
-    p.add_argument("--dtype", default="float32", help="float32, float64 or mixed (float16 storage, float32 master "
-                   "weights, loss scaling; on ZeRO's sharded optimizer, --zero 0 included) (default float32)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
-    p.add_argument("--n-layer", type=int, help="transformer blocks, or MLP hidden layers (default 2)")
-    p.add_argument("--d-model", type=int, help="model width (default 64)")
-    p.add_argument("--n-head", type=int, help="attention heads (default 4)")
-    p.add_argument("--seq-len", type=int, help="context length (sorting: 2 x sequence length, default 16; --data: default 64)")
-    p.add_argument("--data", metavar="FILE", help="train a character-level GPT on this UTF-8 text file")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
-    p.add_argument("--weight-decay", type=float, default=None, help="weight decay, >= 0 (default 0: none)")
-    p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
-    p.add_argument("--dropout", type=float, default=0.0, help="GPT dropout probability, in [0, 1) (default 0)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (per rank)")
-    p.add_argument("--collectives", choices=("mpi", "ring"), default="mpi",
-                   help="MPI's built-in collectives, or the textbook ring algorithms of ring.py")
-    p.add_argument("--dp-mode", choices=("bucketed", "naive"), default="bucketed",
-                   help="data parallelism: overlapped bucket all-reduces, or one all-reduce per gradient")
-    p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="gradient bucket size in bytes (default 1 MiB)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks; data parallel = world size / pp")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe",
-                                          "dualpipev"), help="pipeline schedule (default 1f1b when --pp > 1)")
-    p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step and replica (default 2 x pp)")
-    p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved only; default 2)")
-    p.add_argument("--action-costs", metavar="F=0.02,I=0.02,W=0.02",
-                   help="pipeline sleep-cost mode: pad every step to these seconds (B=I+W, FB=F+B unless given)")
-    p.add_argument("--trace", metavar="FILE", help="write the last step's measured pipeline timeline (Chrome trace)")
-    p.add_argument("--zero", type=int, default=0, metavar="STAGE",
-                   help="ZeRO stage: 0 data parallel, 1 shard optimizer states, 2 + gradients, 3 + parameters")
-    p.add_argument("--prefetch", type=parse_bytes, default=0, metavar="BYTES",
-                   help="ZeRO-3: bytes of the next modules' parameters to gather ahead (default 0: on demand)")
-    p.add_argument("--param-threshold", type=int, default=0, metavar="N",
-                   help="ZeRO-3: parameters with fewer than N elements stay whole on every rank (default 0)")
-    p.add_argument("--mem-budget", type=parse_bytes, default=None, metavar="SIZE",
-                   help="per-rank memory budget, e.g. 200MB: exceeding it is an out-of-memory error")
-    p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints under DIR/step_NNNNNNNN/")
-    p.add_argument("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (default: at the end)")
-    p.add_argument("--resume", metavar="PATH", help="continue the run saved in PATH: a step directory, or a "
-                   "--save-dir (its newest intact step); only --steps, --save-every, world size, --zero and other "
-                   "flags that do not change what is computed may differ (docs/zero.md)")
-    p.add_argument("--overwrite-checkpoints", action="store_true", help="start over in a --save-dir that holds "
-                   "another run's checkpoints: delete them before the first step")
-    backend.add_argument(p)
-    p.add_argument("--checkpoint", default="none", metavar="PLAN",
-                   help="activation checkpointing of the GPT's blocks: none, sqrt, every:K, revolve:C, budget:BYTES")
-    p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
-
-
-def config_from_args(args) -> TrainConfig:
-    defaults = dict(DEFAULTS[args.model])
-    if args.data is not None:
-        defaults["seq_len"] = 64
-    values = {}
-    for field in TrainConfig.__dataclass_fields__:
-        given = getattr(args, field, None)
-        values[field] = given if given is not None else defaults.get(field, TrainConfig.__dataclass_fields__[field].default)
-    return TrainConfig(**values)
-
-
-def run(args) -> int:
-    if args.backend is not None:
-        backend.set_backend(args.backend)
-    cfg = config_from_args(args)
-    cfg.check()
-    world = get_world(cfg)
-    try:
-        summary = train(cfg, progress=True, world=world)
-    except TrainingDiverged as exc:  # raised on every rank at once: all exit 1, the message once
-        if world.rank == 0:
-            log(f"error: {exc}")
-            if args.json:
-                emit_json({"ok": False, "error": str(exc), "diverged_at_step": exc.step, "final_loss": exc.loss,
-                           "model": cfg.model, "steps": cfg.steps, "world_size": world.size, "config": asdict(cfg),
-                           "backend": backend.name()})
-        return 1
-    summary.pop("_model")
-    if world.rank != 0:
-        return 0
-    speed = f"{summary['tokens_per_s']:.0f} tokens/s" if cfg.model == "gpt" else f"{summary['samples_per_s']:.0f} samples/s"
-    ran = cfg.steps - summary["start_step"]
-    resumed = f" (steps {summary['start_step'] + 1}-{cfg.steps}, resumed)" if summary["start_step"] else ""
-    log(f"done: {ran} steps{resumed} in {summary['seconds']:.1f}s ({speed}); final loss {summary['final_loss']:.4f}, "
-        f"held-out accuracy {100 * summary['accuracy']:.1f}%, {summary['n_params']} parameters, "
-        f"peak saved activations {summary['peak_activation_bytes'] / 1e6:.2f} MB"
-        + (f", block forwards per layer {summary['forward_calls_per_layer']:g}"
-           if summary.get("forward_calls_per_layer") is not None else ""))
-    if args.json:
-        emit_json(summary)
-    return 0
-
-
-def check(args) -> None:
-    """The checks every rank makes at startup, before any communication (cli.main)."""
-    config_from_args(args).check()

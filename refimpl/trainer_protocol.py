@@ -32,7 +32,7 @@ class Verifiable(Protocol):
 
 @runtime_checkable
 class Trainer(Verifiable, Protocol):
-    """What train, sharded checkpoints (parallel/zero/checkpoint.py) and the memory report also need."""
+    """What train, sharded checkpoints (saved_runs/sharded.py) and the memory report also need."""
 
     steps_done: int  # the global batch's number: dropout masks are keyed by it (nn/batch_rows.py)
     optimizer_steps: int  # optimizer steps taken (a skipped mixed-precision step is not one)

@@ -1,4 +1,5 @@
-"""verify: is the distributed algorithm right? `python -m refimpl verify [train flags]`.
+"""verify: is the distributed algorithm right? (the command: `python -m refimpl verify [train flags]`,
+refimpl/commands/verify.py; this module is what it runs.)
 
 Runs the distributed configuration (under mpiexec, or a world of one process) for K optimizer
 steps, and, on rank 0, the single-process reference — train.LocalTrainer, plain training code that
@@ -24,54 +25,31 @@ LocalTrainer running the same recipe, at the tolerance of refimpl/compare_mixed.
 both runs skip the same steps (--inject-overflow K puts an inf into one gradient at step K on both
 sides: both must skip it).
 
---sweep N draws N configurations valid for this world size (refimpl/sweep.py) and verifies each;
---trainer module:function verifies a trainer of your own (docs/verify_your_algorithm.md).
-
-It exits 1 when the check fails, and every rank exits with the same status. `--json` prints one
-object with ok, max_abs_diff, max_rel_diff, steps, world_size, tolerance_used (the largest
-|diff| / (atol + rtol·|reference|): the check passes when it is at most 1), problems (non-finite
-values, skipped steps that differ) and the per-step figures; with --sweep,
-{"ok", "seed", "sweep": [{"flags", "ok", "tolerance_used", "problems"}, ...]}.
+verify_config runs one configuration and returns the figures; build_trainer and
+load_trainer_factory give the trainer under test (refimpl's own, or one of yours: --trainer,
+docs/verify_your_algorithm.md). The command line -- flags, --sweep, the report, the exit status --
+is refimpl/commands/verify.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import inspect
 import math
-import shlex
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from refimpl import backend, fits
+from refimpl import fits
 from refimpl.compare import TOLERANCES, Comparison, compare_step
 from refimpl.compare_mixed import compare_mixed_step, mixed_tolerance, partial_gradient_magnitudes, state_by_name
 from refimpl.agreement import check_same_run
-from refimpl.console import emit_json, log
+from refimpl.console import log
 from refimpl.parallel import watchdog
 from refimpl.trainer_protocol import Verifiable, missing
-from refimpl.train import LocalTrainer, add_arguments as add_train_arguments, build_model, build_optimizer, \
-    build_task, config_from_args, get_world, make_trainer
-
-DEFAULT_STEPS = 3
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_train_arguments(p)
-    p.set_defaults(dtype="float64")  # verification is done in float64 (see the module docstring)
-    p.add_argument("--rtol", type=float, help="relative tolerance (float64 1e-10, float32 1e-5)")
-    p.add_argument("--atol", type=float, help="absolute tolerance (float64 1e-12, float32 1e-6)")
-    p.add_argument("--sweep", type=int, metavar="N",
-                   help="verify N configurations drawn for this world size (refimpl/sweep.py)")
-    p.add_argument("--sweep-seed", type=int, metavar="S", help="seed of the sweep's draws (default: a new one, printed)")
-    p.add_argument("--trainer", metavar="MODULE:FUNCTION",
-                   help="verify your own trainer: FUNCTION(cfg, model, world) -> trainer, from a module or a .py file")
-    p.add_argument("--inject-overflow", type=int, metavar="STEP",
-                   help="--dtype mixed: put an inf into one gradient at STEP on both sides (both must skip it)")
+from refimpl.train import LocalTrainer, build_model, build_optimizer, build_task, make_trainer
 
 
 # -- the trainer under test ----------------------------------------------------------------------
@@ -254,48 +232,3 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
     result["ok"] = bool(world.bcast_object(result["ok"]))
     return result
 
-
-# -- the command ---------------------------------------------------------------------------------
-
-def check(args) -> None:
-    """The checks every rank makes at startup, before any communication (cli.main)."""
-    if args.steps is None:
-        args.steps = DEFAULT_STEPS
-    if args.sweep is not None and args.sweep <= 0:
-        raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
-    if args.trainer:
-        load_trainer_factory(args.trainer)
-    if args.sweep is None:
-        config_from_args(args).check()
-
-
-def run(args) -> int:
-    if args.steps is None:
-        args.steps = DEFAULT_STEPS
-    if args.sweep is not None:
-        from refimpl.sweep import run_sweep  # noqa: PLC0415
-
-        return run_sweep(args)
-    factory = load_trainer_factory(args.trainer) if args.trainer else None
-    cfg = config_from_args(args)
-    cfg.check()
-    world = get_world(cfg)
-    result = verify_config(cfg, world, factory, args.rtol, args.atol, args.inject_overflow)
-    counters = world.counters_by_rank()
-    if world.rank == 0:
-        result.update({"bytes_sent": counters, "backend": backend.name(), **world.transfer_report()})
-        log(f"verify {'PASS' if result['ok'] else 'FAIL'}: {result['trainer']} on {world.size} process(es) vs "
-            f"single-process reference, {cfg.steps} steps, {cfg.dtype}; largest |diff| / (atol + rtol |reference|) "
-            f"= {result['tolerance_used']:.3g}, passes at <= 1 ("
-            + ("mixed precision's float16 bounds, lockstep" if cfg.dtype == "mixed" else
-               f"rtol {result['rtol']:g}, atol {result['atol']:g}") + ")"
-            + (f"; {len(result['problems'])} problem(s), first: {result['problems'][0]}" if result["problems"] else ""))
-        if args.json:
-            emit_json(result)
-    return 0 if result["ok"] else 1
-
-
-def command_line(world_size: int, flags: list) -> str:
-    """The command that reproduces one verification."""
-    launcher = f"mpiexec -n {world_size} " if world_size > 1 else ""
-    return launcher + "python -m refimpl verify " + " ".join(shlex.quote(str(f)) for f in flags)

@@ -94,11 +94,11 @@ def check_fault(world: int, rank: int, at: str, kind: str, tmp_path: Path) -> No
         assert f"[rank {rank}]" in done.stderr, what
     complete = [int(s) for s in fault.group(5).split(",") if s]
     if complete:  # the steps that were complete before the fault are intact, and resume finds one
-        from refimpl.parallel.zero import checkpoint  # noqa: PLC0415
+        from refimpl.saved_runs import sharded  # noqa: PLC0415
 
         for step in complete:
-            checkpoint.read_step(checkpoint.step_directory(str(save_dir), step))
-        newest, _ = checkpoint.open_newest(str(save_dir))
+            sharded.read_step(sharded.step_directory(str(save_dir), step))
+        newest, _ = sharded.open_newest(str(save_dir))
         assert newest.manifest["step"] >= max(complete), what
 
 

@@ -10,9 +10,9 @@ from mpi_util import REPO, check_ok, run_local, run_mpi
 
 from refimpl import fits
 from refimpl.autograd import saved_tensors
+from refimpl.commands.train import add_arguments, config_from_args
 from refimpl.parallel.failure import AgreedError
-from refimpl.train import TrainConfig, add_arguments, build_model, build_task, config_from_args, evaluate, \
-    make_trainer, train
+from refimpl.train import TrainConfig, build_model, build_task, evaluate, make_trainer, train
 
 LIMIT = fits.LIMIT_VARIABLE
 

@@ -10,9 +10,9 @@ from mpi_util import PROGRAMS, REPO, last_json, run_local, run_mpi, run_mpi_json
 
 from refimpl.compare import compare_arrays, compare_step
 from refimpl.sweep import draw_flags, numpy_chooser
-from refimpl.train import config_from_args
 from refimpl.compare_mixed import mixed_tolerance
-from refimpl.verify import add_arguments
+from refimpl.commands.train import config_from_args
+from refimpl.commands.verify import add_arguments
 
 BROKEN = REPO / "tests" / "trainers" / "broken.py"
 EXAMPLE = REPO / "docs" / "examples" / "flat_allreduce_trainer.py"

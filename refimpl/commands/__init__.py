@@ -1,12 +1,18 @@
 """The command-line commands of `python -m refimpl` (refimpl/cli.py dispatches to them).
 
-    schedule.py    `python -m refimpl schedule ...`: generate, validate, simulate and draw a
-                   pipeline schedule (refimpl/parallel/pipeline/)
-    memory.py      `python -m refimpl memory ...`: ZeRO memory per rank, the paper's formula
-                   beside the measured ledger (refimpl/memory.py)
+    train.py        `python -m refimpl train ...`: the flags of a run, its summary
+                    (the loop, the builders, LocalTrainer: refimpl/train.py)
+    verify.py       `python -m refimpl verify ...`: one configuration or a --sweep against
+                    single-process training (the comparison: refimpl/verify.py; the configurations
+                    a sweep draws: refimpl/sweep.py)
+    schedule.py     `python -m refimpl schedule ...`: generate, validate, simulate and draw a
+                    pipeline schedule (refimpl/parallel/pipeline/)
+    memory.py       `python -m refimpl memory ...`: ZeRO memory per rank, the paper's formula
+                    beside the measured ledger (refimpl/memory.py)
+    consolidate.py  `python -m refimpl consolidate ...`: a sharded checkpoint as one state dict
+                    (refimpl/saved_runs/)
 
-Each module provides `add_arguments(parser)` and `run(args) -> int`; it parses, prints and
-writes files, and leaves the computing to the algorithm packages, which hold no argparse and
-print nothing. (`train`, `verify` and `consolidate` still live in refimpl/train.py,
-refimpl/verify.py and refimpl/parallel/zero/checkpoint.py.)
+Each module provides `add_arguments(parser)` and `run(args) -> int` (and may provide `check(args)`,
+the startup checks every rank makes); it parses, prints and writes files, and leaves the computing
+to the library modules and algorithm packages, which hold no argparse.
 """

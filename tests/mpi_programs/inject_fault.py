@@ -105,7 +105,7 @@ def main() -> int:
 
             executor.PipelineExecutor._do = counting(executor.PipelineExecutor._do, countdown, trigger)
         elif moment == "save":
-            from refimpl.parallel.zero import safe_files  # noqa: PLC0415
+            from refimpl.saved_runs import safe_files  # noqa: PLC0415
 
             def write_then_fault(write):  # the file is open and half written when the fault comes
                 def half(f):

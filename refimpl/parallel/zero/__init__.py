@@ -21,7 +21,9 @@ single-process training):
     stage1.py      reduce-scatter gradients, step the shard, all-gather parameters
     stage2.py      gradients reduce-scattered bucket by bucket during backward, shard kept
     stage3.py      parameters gathered per module before forward and backward, prefetch
-    checkpoint.py  sharded checkpoints: atomic, checksummed, resumable at any N and stage
+
+Sharded checkpoints, which every trainer writes (ZeRO's included, resumable at any N and stage), are
+refimpl/saved_runs/.
 
 `python -m refimpl train --zero 3 ...` and `verify --zero 3 ...` select a stage (the one trainer,
 parallel/trainer.py, composes it with the pipeline and precision); docs/zero.md

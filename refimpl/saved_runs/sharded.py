@@ -44,7 +44,9 @@ the step) are all restored exactly.
 
 `python -m refimpl consolidate CKPT --out model.npz` writes the whole model as one ordinary state
 dict ({name: array}, loadable with model.load_state_dict(dict(numpy.load(...))); --optimizer adds
-the optimizer state as "optimizer/<key>/<name>"). Under mpiexec, rank 0 does the work.
+the optimizer state as "optimizer/<key>/<name>"). Under mpiexec, rank 0 does the work. The command
+line (`train --save-dir/--resume`, `consolidate`) is refimpl/commands/; this module prints only the
+progress lines of a run (`checkpoint: PATH`, `resumed from ...`) and its warnings.
 """
 
 from __future__ import annotations
@@ -56,10 +58,10 @@ import tempfile
 
 import numpy as np
 
-from refimpl.console import emit_json, log
+from refimpl.console import log
 from refimpl.parallel import watchdog
 from refimpl.parallel.failure import AgreedError, agree
-from refimpl.parallel.zero import fingerprint, safe_files
+from refimpl.saved_runs import fingerprint, safe_files
 from refimpl.trainer_protocol import Trainer, missing
 
 FORMAT = "refimpl-sharded-checkpoint/2"  # /2 adds the run's fingerprint
@@ -85,8 +87,8 @@ def _comm(world):
     return LocalComm()
 
 
-def _on_rank0(comm, action):
-    """Run action() on rank 0 only; every rank returns its result, or raises AgreedError alike.
+def on_rank0(comm, action):
+    """Run action() on rank 0 only (collective); every rank returns its result, or raises AgreedError alike.
     An OSError or ValueError there becomes a one-line message (the others wait in one broadcast)."""
     outcome = None
     if comm.rank == 0:
@@ -141,7 +143,7 @@ def save(trainer, model, cfg, step: int, world=None) -> str:
         for key, value in values.items():
             arrays[f"{key}/{k}"] = value
     name = shard_name(comm.rank, comm.size)
-    staging = _on_rank0(comm, lambda: safe_files.make_staging_directory(cfg.save_dir, os.path.basename(final)))
+    staging = on_rank0(comm, lambda: safe_files.make_staging_directory(cfg.save_dir, os.path.basename(final)))
     try:
         digest, size, problem = None, None, None
         try:
@@ -159,7 +161,7 @@ def save(trainer, model, cfg, step: int, world=None) -> str:
             safe_files.create_new(os.path.join(staging, MANIFEST), lambda f: f.write(text))
             safe_files.publish(staging, final)
 
-        _on_rank0(comm, finish)  # nobody goes on (or exits) before the step is in place
+        on_rank0(comm, finish)  # nobody goes on (or exits) before the step is in place
     except AgreedError:
         if comm.rank == 0 and os.path.isdir(staging):
             safe_files.remove(staging)  # an unfinished step leaves nothing behind
@@ -226,7 +228,7 @@ def prepare_save_dir(cfg, world=None) -> None:
     agree(comm, problem)
     doomed = [name for name, _ in others] + leftovers if cfg.overwrite_checkpoints else []
     if doomed:
-        _on_rank0(comm, lambda: [safe_files.remove(os.path.join(cfg.save_dir, name)) for name in doomed])
+        on_rank0(comm, lambda: [safe_files.remove(os.path.join(cfg.save_dir, name)) for name in doomed])
     if comm.rank == 0:
         if doomed:
             log(f"--overwrite-checkpoints: deleted {', '.join(doomed)} from {cfg.save_dir}")
@@ -463,7 +465,7 @@ def _load(trainer, model, checkpoint: Checkpoint, rank: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Consolidation: python -m refimpl consolidate CKPT --out FILE
+# Consolidation (python -m refimpl consolidate CKPT --out FILE: refimpl/commands/consolidate.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -488,26 +490,3 @@ def consolidate(path: str, out: str, optimizer: bool = False) -> dict:
             "saved_zero_stage": checkpoint.manifest["zero_stage"], "precision": checkpoint.manifest["precision"],
             "skipped": skipped}
 
-
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="a checkpoint directory (step_*), or a --save-dir (its newest intact checkpoint)")
-    p.add_argument("--out", required=True, help="the .npz file to write (replaced only if everything checks out)")
-    p.add_argument("--optimizer", action="store_true", help="also write optimizer state as optimizer/<key>/<name>")
-    p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
-
-
-def run(args) -> int:
-    """The consolidate command. Under mpiexec rank 0 reads and writes; the other ranks wait for it
-    and share its outcome (an error is printed once, every rank exits 2)."""
-    from refimpl.parallel.comm import get_world  # noqa: PLC0415 - one process: no MPI import
-
-    world = get_world()
-    result = _on_rank0(world, lambda: consolidate(str(args.checkpoint), str(args.out), args.optimizer))
-    if world.rank != 0:
-        return 0
-    log(f"consolidated {result['checkpoint']} (step {result['step']}, saved by {result['saved_world_size']} rank(s) "
-        f"at ZeRO stage {result['saved_zero_stage']}) into {result['out']}: {result['parameters']} parameters, "
-        f"{result['elements']} elements, {result['bytes']} bytes")
-    if args.json:
-        emit_json(result)
-    return 0

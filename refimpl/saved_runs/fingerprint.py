@@ -2,7 +2,7 @@
 
 A *run* is defined by what it computes: the model and its shape, the data, the seed, the
 optimizer and its hyperparameters, the batch size, the precision, dropout. Every manifest of a
-sharded checkpoint (checkpoint.py) records those flags as a fingerprint -- the values themselves,
+sharded checkpoint (sharded.py) records those flags as a fingerprint -- the values themselves,
 so that an error can name the flags that differ, and a SHA-256 of them:
 
     {"fields": {"model": "gpt", "seed": 0, "lr": 0.003, ..., "data": "sha256:9f86d0...", ...},
@@ -35,7 +35,7 @@ import os
 
 # TrainConfig fields a resumed run may change: its length, where it saves, and how the same
 # arithmetic is laid out. A new TrainConfig field is part of the fingerprint unless it is named here
-# (tests/test_zero_checkpoint.py lists the fingerprint's fields, so adding one is a decision).
+# (tests/test_saved_runs_guards.py lists the fingerprint's fields, so adding one is a decision).
 MAY_CHANGE = frozenset({
     "steps", "save_dir", "save_every", "resume", "overwrite_checkpoints", "timeout",  # length, saving, watchdog
     "zero", "grad_accum", "collectives", "dp_mode", "bucket_bytes",  # how the global batch's gradient is summed

@@ -16,8 +16,7 @@ from mpi_util import run_local, run_mpi, run_mpi_json
 from test_zero import run_mpi_error
 
 from refimpl.parallel.failure import AgreedError
-from refimpl.parallel.zero import checkpoint as sharded
-from refimpl.parallel.zero import fingerprint, safe_files
+from refimpl.saved_runs import fingerprint, safe_files, sharded
 from refimpl.train import TrainConfig, train
 
 BASE = dict(model="gpt", n_layer=1, d_model=8, n_head=2, seq_len=8, dtype="float64", batch_size=4, steps=6,

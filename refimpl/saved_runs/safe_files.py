@@ -1,4 +1,4 @@
-"""Files that a crash, a second writer or a planted link cannot damage (used by checkpoint.py).
+"""Files that a crash, a second writer or a planted link cannot damage (used by sharded.py).
 
 Four rules, each a function here:
 
