@@ -36,6 +36,10 @@ Every rank of the group runs the same actions on equally shaped data (the data-p
 of a pipeline rank run the same schedule), so the groups complete -- and their collectives
 start -- in the same order on every rank, as MPI requires.
 
+Each stage is one class in its own file, read top to bottom with this one: it subclasses
+ZeroSharding directly and builds its methods from the building blocks below (whole buffers,
+gradient shards filled through transient buckets, the all-gather that publishes parameters).
+
 What a stage provides (the methods marked "stage" below):
 
     _make_groups(named, first_index) -> [FlatGroup]     one pipeline stage's parameters
@@ -59,6 +63,7 @@ from functools import partial
 
 from refimpl import backend
 from refimpl.memory import MemoryLedger
+from refimpl.parallel.comm import wait_all
 from refimpl.optim.precision import LossScaler, storage_dtype
 
 from .optimizer import ShardedOptimizer
@@ -198,6 +203,68 @@ class ZeroSharding:
 
     def _end_action(self, action) -> None:
         """Stage hook: after an action."""
+
+    # -- building blocks the stages share -------------------------------------------------------------
+    def _whole_parameter_buffers(self, groups, what: str = "whole parameters") -> tuple[list, list]:
+        """(flats, blocks): every group's parameters in one whole flat buffer (L,), each parameter a
+        view into it, and the block (L/N,) of it that this rank's optimizer updates (stages 0-2, and
+        ZeRO-3's persistent small parameters)."""
+        flats, blocks = [], []
+        for group in groups:
+            flat = self.ledger.register("parameters", group.flatten([p.data for p in group.params]),
+                                        what)  # (L,)
+            for p, view in zip(group.params, group.views(flat)):
+                p.set_flat_views(view)
+            flats.append(flat)
+            blocks.append(flat[group.start:group.stop])  # (L/N,)
+        return flats, blocks
+
+    def _whole_gradient_buffers(self) -> list:
+        """Every group's gradients in one whole flat buffer (L,), allocated once; each parameter's
+        .grad is a view into it, so backward accumulates straight into it (stages 0 and 1)."""
+        flats = []
+        for group in self.groups:
+            flat = self.ledger.register("gradients", group.empty(), "whole gradients")  # (L,)
+            for p, view in zip(group.params, group.views(flat)):
+                p.grad = view
+            flats.append(flat)
+        return flats
+
+    def _all_gather_parameters(self, flats: list) -> None:
+        """Publish: all-gather every rank's updated block into the whole parameter buffers, in place."""
+        wait_all([self.comm.iallgather(None, flat) for flat in flats])
+
+    def _hold_gradient_shards(self) -> None:
+        """A persistent gradient shard (L/N,) per group, filled through transient buckets (stages 2, 3)."""
+        self.grad_shards = [self.ledger.register("gradients", group.empty(whole=False), "gradient shard")
+                            for group in self.groups]
+        self.grad_buckets = [None] * len(self.groups)  # (L,) while being filled and reduced
+        self.received = [None] * len(self.groups)  # (L/N,) reduce-scatter outputs in flight
+
+    def _open_bucket(self, g: int) -> None:
+        """The first gradient of group g in this backward: allocate its bucket, point the .grads into it."""
+        if self.grad_buckets[g] is None:
+            group = self.groups[g]
+            bucket = self.ledger.register("gradient_buckets", group.empty(), "gradient bucket")  # (L,)
+            for p, view in zip(group.params, group.views(bucket)):
+                p.grad = view  # backward now adds (+=) into the bucket
+            self.grad_buckets[g] = bucket
+
+    def _reduce_scatter_bucket(self, group):
+        """Start the reduce-scatter of group's bucket into a fresh block (L/N,); returns the request."""
+        g = group.index
+        self.received[g] = self.ledger.register("gradient_buckets", group.empty(whole=False), "reduce-scatter output")
+        return self.comm.ireduce_scatter(self.grad_buckets[g], self.received[g])
+
+    def _add_bucket_into_shard(self, group) -> None:
+        """The reduce-scatter is done: add the summed block into the shard, free the bucket."""
+        g = group.index
+        self.grad_shards[g] += self.received[g]  # accumulate this backward's summed block
+        for p in group.params:
+            p.grad = None
+        self.ledger.release(self.received[g])
+        self.ledger.release(self.grad_buckets[g])
+        self.received[g] = self.grad_buckets[g] = None
 
     # -- records ------------------------------------------------------------------------------------
     def whole(self, blocks: list) -> dict:

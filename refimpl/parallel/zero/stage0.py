@@ -13,7 +13,7 @@ step on the same whole arrays.
 
 refimpl runs float32/float64 `--zero 0` with parallel/data_parallel.py (DDP's strategy); this
 class is what `--zero 0 --dtype mixed` runs, since mixed precision needs the master weights and
-loss scaling that ZeRO's sharded optimizer provides. The ZeRO stages build on it: stage1.py.
+loss scaling that ZeRO's sharded optimizer provides. Stage 1 (stage1.py) shards the optimizer state.
 
 Legend: L a bucket's length (one shard: no padding).
 """
@@ -30,32 +30,17 @@ class ZeroStage0(ZeroSharding):
     stage = 0
 
     def _make_groups(self, named: list, first_index: int) -> list:
-        n = self.world_size if self.sharded else 1  # DP: whole buffers, nothing to shard
-        return bucket_groups(named, self.bucket_bytes, n, self.rank if n > 1 else 0, first_index)
+        return bucket_groups(named, self.bucket_bytes, 1, 0, first_index)  # DP: whole buffers, nothing to shard
 
     def _hold_parameters(self) -> list:
-        """Whole flat parameter buffers; every parameter becomes a view into its group's buffer."""
-        self.param_flats, blocks = [], []
-        for group in self.groups:
-            flat = self.ledger.register("parameters", group.flatten([p.data for p in group.params]),
-                                        "whole parameters")  # (L,)
-            for p, view in zip(group.params, group.views(flat)):
-                p.set_flat_views(view)
-            self.param_flats.append(flat)
-            blocks.append(flat[group.start:group.stop])  # (L/N,) the block this rank updates
+        self.param_flats, blocks = self._whole_parameter_buffers(self.groups)  # (L,) each; one block: all of it
         return blocks
 
     def _hold_gradients(self) -> None:
-        """Whole flat gradient buffers, allocated once; backward accumulates straight into them."""
-        self.grad_flats = []
-        for group in self.groups:
-            flat = self.ledger.register("gradients", group.empty(), "whole gradients")  # (L,)
-            for p, view in zip(group.params, group.views(flat)):
-                p.grad = view
-            self.grad_flats.append(flat)
+        self.grad_flats = self._whole_gradient_buffers()  # (L,) each
 
     def _needs_reduction(self, group) -> bool:
-        return True  # whole gradients: every bucket is reduced on the last micro-batch
+        return True  # whole gradients: every bucket is reduced after the last backward
 
     def _start_reduction(self, group):
         return self.comm.iallreduce(self.grad_flats[group.index])

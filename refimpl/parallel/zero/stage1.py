@@ -30,38 +30,50 @@ Legend: L a bucket's padded length, N ranks, L/N one rank's block.
 
 from __future__ import annotations
 
-from refimpl.parallel.comm import wait_all
+from .flat import bucket_groups
+from .sharding import ZeroSharding
 
-from .stage0 import ZeroStage0
 
-
-class ZeroStage1(ZeroStage0):
+class ZeroStage1(ZeroSharding):
     """Whole parameters and gradients; optimizer state (and master weights) for one shard."""
 
     stage = 1
     sharded = True
 
+    def _make_groups(self, named: list, first_index: int) -> list:
+        return bucket_groups(named, self.bucket_bytes, self.world_size, self.rank, first_index)  # padded to N
+
+    def _hold_parameters(self) -> list:
+        self.param_flats, blocks = self._whole_parameter_buffers(self.groups)  # (L,) each; blocks (L/N,)
+        return blocks
+
     def _hold_gradients(self) -> None:
-        super()._hold_gradients()
-        self.grad_blocks = [None] * len(self.groups)  # reduce-scatter outputs, during a step
+        self.grad_flats = self._whole_gradient_buffers()  # (L,) each
+        self.grad_blocks = [None] * len(self.groups)  # reduce-scatter outputs (L/N,), during a step
+
+    def _needs_reduction(self, group) -> bool:
+        return True  # whole gradients: every bucket is reduced after the last backward
 
     def _start_reduction(self, group):
         recv = self.ledger.register("gradient_buckets", group.empty(whole=False), "reduce-scatter output")  # (L/N,)
         self.grad_blocks[group.index] = recv
         return self.comm.ireduce_scatter(self.grad_flats[group.index], recv)
 
+    def _reduction_done(self, group) -> None:
+        pass
+
     def _gradient_blocks(self) -> list:
         return self.grad_blocks
 
     def _clear_gradients(self) -> None:
-        super()._clear_gradients()
+        for flat in self.grad_flats:
+            flat[...] = 0
         for block in self.grad_blocks:
             self.ledger.release(block)
         self.grad_blocks = [None] * len(self.groups)
 
     def _publish(self) -> None:
-        """All-gather every group's updated block into the whole parameter buffers (in place)."""
-        wait_all([self.comm.iallgather(None, flat) for flat in self._published_flats()])
+        self._all_gather_parameters(self.param_flats)
 
-    def _published_flats(self) -> list:
-        return self.param_flats
+    def _whole_parameters(self, group):
+        return self.param_flats[group.index]

@@ -28,48 +28,39 @@ Legend: L a bucket's padded length, N ranks, L/N one rank's block.
 
 from __future__ import annotations
 
-from .stage1 import ZeroStage1
+from .flat import bucket_groups
+from .sharding import ZeroSharding
 
 
-class ZeroStage2(ZeroStage1):
+class ZeroStage2(ZeroSharding):
     """Whole parameters; a gradient shard, filled bucket by bucket during backward."""
 
     stage = 2
+    sharded = True
     reduce_every_micro_batch = True
 
+    def _make_groups(self, named: list, first_index: int) -> list:
+        return bucket_groups(named, self.bucket_bytes, self.world_size, self.rank, first_index)  # padded to N
+
+    def _hold_parameters(self) -> list:
+        self.param_flats, blocks = self._whole_parameter_buffers(self.groups)  # (L,) each; blocks (L/N,)
+        return blocks
+
     def _hold_gradients(self) -> None:
-        self.grad_shards = [self.ledger.register("gradients", group.empty(whole=False), "gradient shard")  # (L/N,)
-                            for group in self.groups]
-        self.grad_buckets = [None] * len(self.groups)  # (L,) while being filled and reduced
-        self.received = [None] * len(self.groups)  # (L/N,) reduce-scatter outputs in flight
+        self._hold_gradient_shards()  # (L/N,) each, persistent; buckets (L,) only while reduced
 
     def _before_accumulate(self, param, grad):
-        """The first gradient of a group in this backward: allocate the group's bucket."""
-        g = self._group_of[id(param)]
-        if self.grad_buckets[g] is None:
-            group = self.groups[g]
-            bucket = self.ledger.register("gradient_buckets", group.empty(), "gradient bucket")  # (L,)
-            for p, view in zip(group.params, group.views(bucket)):
-                p.grad = view  # backward now adds (+=) into the bucket
-            self.grad_buckets[g] = bucket
+        self._open_bucket(self._group_of[id(param)])  # the group's first gradient: allocate its bucket
         return None
 
     def _needs_reduction(self, group) -> bool:
         return self.grad_buckets[group.index] is not None  # no gradient arrived: nothing to add
 
     def _start_reduction(self, group):
-        g = group.index
-        self.received[g] = self.ledger.register("gradient_buckets", group.empty(whole=False), "reduce-scatter output")
-        return self.comm.ireduce_scatter(self.grad_buckets[g], self.received[g])
+        return self._reduce_scatter_bucket(group)
 
     def _reduction_done(self, group) -> None:
-        g = group.index
-        self.grad_shards[g] += self.received[g]  # accumulate this micro-batch's summed block
-        for p in group.params:
-            p.grad = None
-        self.ledger.release(self.received[g])
-        self.ledger.release(self.grad_buckets[g])
-        self.received[g] = self.grad_buckets[g] = None
+        self._add_bucket_into_shard(group)
 
     def _gradient_blocks(self) -> list:
         return self.grad_shards
@@ -77,3 +68,9 @@ class ZeroStage2(ZeroStage1):
     def _clear_gradients(self) -> None:
         for shard in self.grad_shards:
             shard[...] = 0
+
+    def _publish(self) -> None:
+        self._all_gather_parameters(self.param_flats)
+
+    def _whole_parameters(self, group):
+        return self.param_flats[group.index]

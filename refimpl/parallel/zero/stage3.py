@@ -45,7 +45,7 @@ from __future__ import annotations
 from refimpl import backend
 
 from .flat import FlatGroup, bucket_groups, module_units
-from .stage2 import ZeroStage2
+from .sharding import ZeroSharding
 
 
 class _Unit:
@@ -64,10 +64,12 @@ def placeholder(param):
     return xp.broadcast_to(xp.asarray(float("nan"), dtype=param.dtype), param.shape)
 
 
-class ZeroStage3(ZeroStage2):
+class ZeroStage3(ZeroSharding):
     """Shards of parameters, gradients and optimizer state; whole parameters only while needed."""
 
     stage = 3
+    sharded = True
+    reduce_every_micro_batch = True
 
     def __init__(self, model, parts: dict, optimizer, comm, prefetch_bytes: int = 0, param_threshold: int = 0,
                  **options) -> None:
@@ -109,24 +111,30 @@ class ZeroStage3(ZeroStage2):
         return groups
 
     def _hold_parameters(self) -> list:
-        self.param_flats, blocks = [], []
-        for group in self.groups:
-            unit = self.unit_of.get(group.index)
-            if unit is None:  # a persistent parameter: whole, as in stage 2
-                flat = self.ledger.register("parameters", group.flatten([p.data for p in group.params]),
-                                            "whole small parameters")  # (L,)
-                for p, view in zip(group.params, group.views(flat)):
-                    p.set_flat_views(view)
-                self.param_flats.append(flat)
-                blocks.append(flat[group.start:group.stop])
-                continue
+        """A unit keeps its shard (L/N,) and frees the whole; a persistent group stays whole, as in stage 2."""
+        for unit in self.units:
+            group = unit.group
             whole = group.flatten([p.data for p in group.params])  # (L,) once, to cut the shard
             unit.shard = self.ledger.register("parameters", whole[group.start:group.stop].copy(), "parameter shard")
             for p in group.params:
                 p.data = placeholder(p)
-            self.param_flats.append(None)
-            blocks.append(unit.shard)  # (L/N,) updated in place by the optimizer
-        return blocks
+        persistent = [group for group in self.groups if group.index not in self.unit_of]
+        flats, blocks = self._whole_parameter_buffers(persistent, "whole small parameters")  # (L,), (L/N,)
+        self.param_flats = [None] * len(self.groups)  # whole buffers of the persistent groups only
+        by_group = {unit.group.index: unit.shard for unit in self.units}  # updated in place by the optimizer
+        for group, flat, block in zip(persistent, flats, blocks):
+            self.param_flats[group.index], by_group[group.index] = flat, block
+        return [by_group[group.index] for group in self.groups]
+
+    def _hold_gradients(self) -> None:
+        self._hold_gradient_shards()  # (L/N,) each, persistent; buckets (L,) only while reduced
+
+    def _before_accumulate(self, param, grad):
+        self._open_bucket(self._group_of[id(param)])  # the group's first gradient: allocate its bucket
+        return None
+
+    def _needs_reduction(self, group) -> bool:
+        return self.grad_buckets[group.index] is not None  # no gradient arrived: nothing to add
 
     # -- gather and release -------------------------------------------------------------------------
     def _gather(self, unit: _Unit, blocking: bool) -> None:
@@ -221,11 +229,21 @@ class ZeroStage3(ZeroStage2):
         unit = self.unit_of.get(group.index)
         if unit is not None:
             self._release(unit)
-        return super()._start_reduction(group)
+        return self._reduce_scatter_bucket(group)
+
+    def _reduction_done(self, group) -> None:
+        self._add_bucket_into_shard(group)
+
+    def _gradient_blocks(self) -> list:
+        return self.grad_shards
+
+    def _clear_gradients(self) -> None:
+        for shard in self.grad_shards:
+            shard[...] = 0
 
     # -- publishing and records ---------------------------------------------------------------------------
-    def _published_flats(self) -> list:
-        return [flat for flat in self.param_flats if flat is not None]  # only the persistent groups
+    def _publish(self) -> None:
+        self._all_gather_parameters([flat for flat in self.param_flats if flat is not None])  # persistent groups
 
     def _whole_parameters(self, group):
         unit = self.unit_of.get(group.index)
