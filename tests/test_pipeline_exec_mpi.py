@@ -47,6 +47,10 @@ ZERO1 = [dict(schedule="1f1b", pp=2, m=4, zero=1),
          dict(schedule="dualpipe", pp=2, m=4, zero=1, bucket_bytes=2000), dict(schedule="dualpipe", pp=4, m=8, zero=1),
          dict(schedule="zb1p", pp=2, m=2, zero=1, checkpoint="sqrt", optimizer="sgd"),
          dict(schedule="interleaved", pp=1, m=2, zero=1, n_layer=4)]
+# ZeRO-2 and -3 inside the schedule: gradients reduce-scattered after every backward of a stage (M
+# per step), ZeRO-3's parameters sharded and gathered around every F and B (docs/pipeline_parallel.md §3).
+ZERO23 = [dict(schedule="1f1b", pp=2, m=4, zero=2, bucket_bytes=3000), dict(schedule="zb1p", pp=2, m=2, zero=3),
+          dict(schedule="dualpipe", pp=2, m=4, zero=3, clip=0.05), dict(schedule="zbv", pp=2, m=4, zero=2)]
 
 
 def launch(n: int, specs: list, timeout: float = 240) -> list:
@@ -63,7 +67,7 @@ def on_two():
 
 @pytest.fixture(scope="module")
 def on_four():
-    return launch(4, PP4 + DP2 + DP4 + CHECKPOINTED + DROPOUT + ZERO1)
+    return launch(4, PP4 + DP2 + DP4 + CHECKPOINTED + DROPOUT + ZERO1 + ZERO23)
 
 
 def _failures(results):
@@ -203,7 +207,7 @@ def test_train_in_sleep_cost_mode_writes_a_trace_and_reports_measured_beside_sim
 
 
 def test_zero1_inside_the_gradient_groups_equals_single_process_training_with_exact_bytes(on_four):
-    zero = [r for r in on_four if r["spec"]["zero"]]
+    zero = [r for r in on_four if r["spec"]["zero"] == 1]
     assert len(zero) == len(ZERO1) and all(r["ok"] for r in zero)
     for r in zero:
         spec, report = r["spec"], r["report"]
@@ -221,6 +225,26 @@ def test_zero1_inside_the_gradient_groups_equals_single_process_training_with_ex
             # reduce-scatter: L(G-1)/G elements per group and step, the ring's count
             sent = counts["group"].get("reduce_scatter", {"bytes": 0})["bytes"]
             assert sent == spec["steps"] * sum(padded) * (G - 1) // G * 8
+
+
+def test_zero2_and_zero3_inside_the_schedule_equal_single_process_training_with_exact_bytes(on_four):
+    zero = [r for r in on_four if r["spec"]["zero"] in (2, 3)]
+    assert len(zero) == len(ZERO23) and all(r["ok"] for r in zero)
+    for r in zero:
+        spec, report, G = r["spec"], r["report"], r["dp"]
+        assert report["sharding_group"] == G
+        for p in range(spec["pp"]):  # replica 0's pipeline ranks
+            counts = r["counters"][p]
+            L = sum(counts["padded"])  # Σ padded flat lengths of this rank's stages, multiples of G
+            assert L % G == 0 and L - report["parameters_of_rank"][p] < G * len(counts["padded"])
+            state = {k: v[p] for k, v in report["model_state_bytes"].items()}
+            arrays = 2 if spec["optimizer"] == "adamw" else 1
+            assert state["gradients"] == L // G * 8 and state["optimizer_states"] == arrays * L // G * 8
+            assert state["parameters"] == (L if spec["zero"] == 2 else L // G) * 8  # ZeRO-3: the shards only
+            # one reduce-scatter of every flat group after each of its stage's backwards: M of them, or
+            # M/2 for each of DualPipe's two copies (each copy runs half the micro-batches)
+            M = spec["m"] // report["stage_copies"]
+            assert counts["group"]["reduce_scatter"]["bytes"] == spec["steps"] * M * L * (G - 1) // G * 8
 
 
 def test_a_failure_inside_one_ranks_step_ends_the_whole_job_instead_of_hanging(tmp_path):
