@@ -242,7 +242,7 @@ class Trainer:
 
     def checkpoint_pieces(self) -> list:
         """This rank's share of a sharded checkpoint: the blocks of the stages it is primary for,
-        whole groups only from data-parallel replica 0 (refimpl/parallel/zero/checkpoint.py)."""
+        whole groups only from data-parallel replica 0 (refimpl/saved_runs/sharded.py)."""
         mine = [s for s in self.stages if self.primary[s] == self.mesh.pp_index]
         return self.sharding.checkpoint_pieces(mine, writes_whole=self.mesh.dp_index == 0)
 

@@ -322,7 +322,7 @@ class ZeroSharding:
                 "skipped_steps": 0 if self.scaler is None else self.scaler.skipped,
                 "optimizer_steps": self.optimizer.steps_taken}
 
-    # -- checkpoints (refimpl/parallel/zero/checkpoint.py) -----------------------------------------
+    # -- checkpoints (refimpl/saved_runs/sharded.py) -----------------------------------------
     def checkpoint_pieces(self, stages, writes_whole: bool) -> list:
         """[(name, start, stop, {"master": array, state key: array})] of this rank's blocks of `stages`.
 
