@@ -1,6 +1,7 @@
 """Step time of the distributed trainers, this tree against another revision of refimpl.
 
-Launch:  python benchmarks/bench_trainers.py --baseline REV [--this REV] [--ranks 2] [--repeats 5] [--steps 10] [--json]
+Launch:  python benchmarks/bench_trainers.py --baseline REV [--this REV] [--only ddp,zero3] [--ranks 2] [--repeats 5]
+                                             [--steps 10] [--json]
 
 Trains bench_engine.py's model size (d_model 256, 4 layers, 4 heads, context 128, batch 8,
 float32; the sorting task, so the vocabulary is 11, not 64) for --steps steps with each
@@ -52,11 +53,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="a git revision of refimpl to compare with")
     parser.add_argument("--this", help="a git revision to measure instead of the working tree")
+    parser.add_argument("--only", help="comma-separated configurations to run (default: all)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    configs = {name: CONFIGS[name] for name in (args.only.split(",") if args.only else CONFIGS)}
     with tempfile.TemporaryDirectory(prefix="refimpl_baseline_") as scratch:
         trees = {"this": ROOT}
         for tree, revision in (("this", args.this), ("baseline", args.baseline)):
@@ -65,9 +68,9 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(trees[tree]), revision],
                                check=True, capture_output=True)
         try:
-            runs = {name: {tree: [] for tree in trees} for name in CONFIGS}
+            runs = {name: {tree: [] for tree in trees} for name in configs}
             for _ in range(args.repeats):
-                for name, flags in CONFIGS.items():
+                for name, flags in configs.items():
                     for tree, path in trees.items():
                         runs[name][tree].append(seconds(path, args.ranks, args.steps, flags))
         finally:
