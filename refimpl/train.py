@@ -257,6 +257,10 @@ class LocalTrainer:
             return {}
         return {"precision": "mixed", "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
 
+    def model_for_evaluation(self, model, build):
+        """The model to evaluate: one process holds all of it."""
+        return model
+
     # -- sharded checkpoints (saved_runs/sharded.py): one process holds the whole state -----------
     def _whole_state(self) -> tuple[list, list]:
         """(masters, states): the arrays the optimizer updates and their states, one per parameter."""
@@ -382,10 +386,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
             if cfg.save_dir:
                 sharded.maybe_save(trainer, model, cfg, step + 1, world)
         elapsed = time.perf_counter() - start
-    if isinstance(trainer, LocalTrainer):
-        evaluated = model
-    else:  # a pipeline's model lives in parts on several ranks: rank 0 evaluates it whole
-        evaluated = trainer.model_for_evaluation(model, lambda: build_model(cfg, task))
+    # a pipeline's model lives in parts on several ranks: rank 0 evaluates it whole, the others nothing
+    evaluated = trainer.model_for_evaluation(model, lambda: build_model(cfg, task))
     eval_loss, acc = evaluate(evaluated, task) if evaluated is not None else (None, None)
     summary = {
         "ok": True,  # False, with "error" and "diverged_at_step", when the loss became NaN or infinite (run)

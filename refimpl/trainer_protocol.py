@@ -42,6 +42,10 @@ class Trainer(Verifiable, Protocol):
     def checkpoint_pieces(self) -> list:
         """[(name, start, stop, {"master": array, state key: array})]: this rank's share of a checkpoint."""
 
+    def model_for_evaluation(self, model, build):
+        """The model this rank evaluates after training (collective), or None: `model` itself when
+        the rank holds all of it, else rank 0 loads the whole trained parameters into build()."""
+
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
         """Take master weights and optimizer state, whole and by name, as a checkpoint holds them."""
 
