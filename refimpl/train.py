@@ -81,6 +81,9 @@ class TrainConfig:
     chunks: int | None = None
     action_costs: str | None = None
     trace: str | None = None
+    # tensor and sequence parallelism (refimpl/parallel/tensor_parallel; docs/tensor_parallel.md)
+    tp: int = 1
+    sequence_parallel: bool = False
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -102,6 +105,7 @@ class TrainConfig:
             raise ValueError("--data trains a character-level GPT; use it with --model gpt")
         if self.pp < 1 or (self.micro_batches is not None and self.micro_batches < 1):
             raise ValueError(f"--pp and --micro-batches must be positive, got {self.pp} and {self.micro_batches}")
+        self.check_tensor_parallel()
         if self.checkpoint != "none":
             from refimpl.checkpointing import parse_plan  # noqa: PLC0415
 
@@ -119,6 +123,29 @@ class TrainConfig:
             backend.check_dtype(self.dtype)
         if self.dtype == "float16":
             raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
+
+    def check_tensor_parallel(self) -> None:
+        """--tp and --sequence-parallel against the model (the world size is the mesh's check)."""
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be a positive integer (tensor-parallel ranks), got {self.tp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel cuts the sequence over the tensor-parallel group; it needs --tp 2 "
+                             "or more")
+        if self.tp == 1:
+            return
+        if self.model != "gpt":
+            raise ValueError(f"--tp {self.tp} splits a GPT's layers over ranks; use it with --model gpt, or --tp 1")
+        if self.n_head % self.tp:
+            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            raise ValueError(f"--tp {self.tp} does not divide the GPT's {self.n_head} attention heads: use a --tp that "
+                             f"divides --n-head {self.n_head} ({', '.join(map(str, divisors))}), or --n-head "
+                             f"{self.n_head + self.tp - self.n_head % self.tp} with --tp {self.tp}")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise ValueError(f"--sequence-parallel cuts each sequence into --tp {self.tp} shards, but --seq-len "
+                             f"{self.seq_len} is not divisible by {self.tp}; use a multiple of {self.tp}")
+        if self.save_dir or self.resume:
+            raise ValueError("sharded checkpoints (--save-dir, --resume) of tensor-parallel runs are not written yet; "
+                             "use --tp 1 to save or resume")
 
     def check_hyperparameters(self) -> None:
         """Refuse NaN, infinities and values outside a hyperparameter's range, in one line that says
@@ -300,7 +327,7 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
     process runs the distributed code path. Pipelines, ZeRO and mixed precision always take it
     (in one process over a one-rank world).
     """
-    layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed"
+    layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed" or cfg.tp > 1
     if not layered and (world is None or (distributed is None and world.size == 1) or distributed is False):
         if cfg.checkpoint != "none":
             from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415
@@ -313,7 +340,8 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
                    pp=cfg.pp, schedule=cfg.schedule, micro_batches=cfg.micro_batches, chunks=cfg.chunks,
                    grad_accum=cfg.grad_accum, zero=cfg.zero, dp_mode=cfg.dp_mode, bucket_bytes=cfg.bucket_bytes,
                    prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
-                   checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace)
+                   checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace,
+                   tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
 
 
 def get_world(cfg: TrainConfig):

@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--action-costs", metavar="F=0.02,I=0.02,W=0.02",
                    help="pipeline sleep-cost mode: pad every step to these seconds (B=I+W, FB=F+B unless given)")
     p.add_argument("--trace", metavar="FILE", help="write the last step's measured pipeline timeline (Chrome trace)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per layer (a GPT; Megatron-LM); "
+                   "data parallel = world size / (pp x tp)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: layer norms and dropouts on sequence shards (all-gather / reduce-scatter)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer states, 2 + gradients, 3 + parameters")
     p.add_argument("--prefetch", type=parse_bytes, default=0, metavar="BYTES",

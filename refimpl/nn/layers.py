@@ -57,6 +57,10 @@ class Embedding(Module):
     def forward(self, idx) -> Tensor:
         return F.embedding(self.weight, idx)
 
+    def attend(self, x: Tensor) -> Tensor:
+        """x Wᵀ: scores of x against every row (a tied output layer, GPT-2): (…, C) -> (…, n)."""
+        return F.linear(x, self.weight)
+
 
 class Dropout(Module):
     """Dropout with seeded masks.
@@ -65,6 +69,11 @@ class Dropout(Module):
     whole global batch from a generator seeded by (seed, b) and sliced to the rows being run, so it
     does not depend on how the batch is split (see batch_rows.py). Elsewhere the module draws from
     its own sequential generator.
+
+    `shard` = (axis, index, count): this process holds block `index` of `count` equal blocks of
+    the input along `axis` (tensor parallelism: attention heads; sequence parallelism: the
+    sequence). The mask is drawn for the whole axis and sliced the same way, so it equals one
+    process's mask.
     """
 
     def __init__(self, p: float, seed: int = 0) -> None:
@@ -73,26 +82,38 @@ class Dropout(Module):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.seed = p, seed
         self.generator = _generator(seed)
+        self.shard: tuple[int, int, int] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         rows = batch_rows.current()
         if rows is None or not self.training or self.p == 0.0:
+            if self.shard is not None and self.training and self.p > 0.0:
+                raise RuntimeError("dropout on a tensor-parallel shard needs a batch_rows context (the trainer's), "
+                                   "or its mask would differ from one process's")
             return F.dropout(x, self.p, self.generator, self.training)
-        return F.dropout(x, self.p, _RowsOfGlobalMask(self.seed, rows), self.training)
+        return F.dropout(x, self.p, _RowsOfGlobalMask(self.seed, rows, self.shard), self.training)
 
 
 class _RowsOfGlobalMask:
-    """A stand-in generator whose random((rows, ...)) returns rows start:stop of the global batch's draw."""
+    """A stand-in generator whose random((rows, ...)) returns rows start:stop of the global batch's
+    draw (and, with a shard (axis, index, count), block index of count along axis)."""
 
-    def __init__(self, seed: int, rows) -> None:
-        self.seed, self.rows = seed, rows
+    def __init__(self, seed: int, rows, shard=None) -> None:
+        self.seed, self.rows, self.shard = seed, rows, shard
 
     def random(self, shape):
         r = self.rows
         if shape[0] != r.stop - r.start:
             raise ValueError(f"dropout: input has {shape[0]} rows but the batch context says {r.stop - r.start}")
-        full = _generator([self.seed, r.batch_id]).random((r.global_size,) + tuple(shape[1:]))
-        return full[r.start:r.stop]
+        whole = [r.global_size] + list(shape[1:])
+        if self.shard is not None:
+            axis, index, count = self.shard
+            whole[axis] *= count
+        full = _generator([self.seed, r.batch_id]).random(tuple(whole))[r.start:r.stop]
+        if self.shard is None:
+            return full
+        n = shape[axis]
+        return full[(slice(None),) * axis + (slice(index * n, (index + 1) * n),)]
 
 
 def _generator(seed):
@@ -150,9 +171,9 @@ class CausalSelfAttention(Module):
         self.mask = backend.asarray(np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1))  # True above the diagonal
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(3, axis=-1)  # (B, T, C) each (tensor parallel: (B, T, C/t), H/t heads)
+        B, T, C = q.shape
         H, D = self.n_head, C // self.n_head
-        q, k, v = self.qkv(x).split(3, axis=-1)  # (B, T, C) each
         q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
         k = k.reshape(B, T, H, D).transpose(0, 2, 3, 1)  # (B, H, D, T)
         v = v.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)

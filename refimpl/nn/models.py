@@ -63,18 +63,23 @@ class GPT(Module):
         # How the blocks run: None, one after the other; or a callable (blocks, x) -> x, which
         # activation checkpointing installs (refimpl.checkpointing.apply_to_gpt).
         self.blocks_runner = None
+        # (index, count): this process embeds shard `index` of `count` of every sequence
+        # (sequence parallelism sets it; refimpl/parallel/tensor_parallel/gpt.py)
+        self.sequence_shard = (0, 1)
 
     def embed(self, idx) -> Tensor:
         idx = idx.data if isinstance(idx, Tensor) else backend.asarray(idx)
         T = idx.shape[-1]
         if T > self.config.seq_len:
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.config.seq_len}")
-        return self.drop(self.wte(idx) + self.wpe(backend.xp().arange(T)))  # (B, T, C)
+        index, count = self.sequence_shard
+        positions = backend.xp().arange(index * T // count, (index + 1) * T // count)  # (T,), or this shard's
+        return self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C); sequence parallel: (B, T/t, C)
 
     def head(self, x: Tensor) -> Tensor:
         x = self.ln_f(x)
         if self.config.tie_weights:
-            return F.linear(x, self.wte.weight)  # (B, T, V)
+            return self.wte.attend(x)  # (B, T, V): x wteᵀ
         return self.lm_head(x)  # (B, T, V); a module call, so module hooks (ZeRO-3's gathers) see it
 
     def forward(self, idx) -> Tensor:

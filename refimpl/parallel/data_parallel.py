@@ -54,12 +54,14 @@ class DataParallel:
     sharded = False
 
     def __init__(self, parts: dict, make_optimizer, comm, mode: str = "bucketed", bucket_bytes: int = 1 << 20,
-                 clip: float = 0.0, budget: int | None = None, rank: int | None = None, norm_total=None) -> None:
+                 clip: float = 0.0, budget: int | None = None, rank: int | None = None, norm_total=None,
+                 uncounted=()) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown data-parallel mode {mode!r}; choose one of {', '.join(MODES)}")
         if bucket_bytes <= 0:
             raise ValueError(f"--bucket-bytes must be positive, got {bucket_bytes}")
         self.comm, self.mode, self.clip, self.norm_total = comm, mode, clip, norm_total
+        self.uncounted = set(uncounted)  # parameters whose norm another rank counts (tensor parallelism)
         self.parts = parts
         self.named = [(name, p) for s in sorted(parts) for name, p in parts[s].named_parameters()]
         self.params = [p for _, p in self.named]
@@ -91,8 +93,8 @@ class DataParallel:
     def optimizer_step(self, grads: list):
         norm = None
         if self.clip > 0:  # gradients are whole and identical on every rank: no communication here
-            total = squared_norm(grads)
-            if self.norm_total is not None:  # the other pipeline stages
+            total = squared_norm([g for (name, _), g in zip(self.named, grads) if name not in self.uncounted])
+            if self.norm_total is not None:  # the other pipeline stages and tensor-parallel ranks
                 total = self.norm_total(total)
             norm = total ** 0.5
             scale_to_max_norm_(grads, total, self.clip)

@@ -1,12 +1,16 @@
-"""The one distributed trainer: a training step composed of layers, over a dp x pp mesh.
+"""The one distributed trainer: a training step composed of layers, over a dp x tp x pp mesh.
 
-Every distributed configuration -- data parallelism, ZeRO 0-3, mixed precision, pipelines of any
-schedule, and their combinations -- is this class. One optimizer step on a global batch of B
-examples is the same five layers on every rank:
+Every distributed configuration -- data parallelism, ZeRO 0-3, mixed precision, tensor and
+sequence parallelism, pipelines of any schedule, and their combinations -- is this class. One
+optimizer step on a global batch of B examples is the same layers on every rank:
 
-    1. the mesh (mesh.py)          N = dp · pp ranks; replica d takes its B/dp examples, cut into
-                                   M micro-batches (M = --grad-accum without a pipeline, else
-                                   --micro-batches)
+    1. the mesh (mesh.py)          N = dp · tp · pp ranks; replica d takes its B/dp examples, cut
+                                   into M micro-batches (M = --grad-accum without a pipeline, else
+                                   --micro-batches); its tp ranks all run the same micro-batches
+    1b. the model's collectives    tensor parallelism (tensor_parallel/): the model is cut over the
+                                   tp group before it is cut into stages; its layers communicate
+                                   inside every forward and backward, and the loss is computed on
+                                   vocabulary shards
     2. the micro-batch loop        the pipeline executor (pipeline/executor.py) runs this rank's list
                                    of the schedule: F, B (or I then W) of each of its stages and
                                    micro-batches. A pipeline of one stage holding the whole model
@@ -19,8 +23,10 @@ examples is the same five layers on every rank:
     4. the stage copies            DualPipe runs every stage twice per pipeline (ranks s and
                                    pp-1-s): the two copies' reduced gradients are summed
     5. precision and optimizer     the strategy's optimizer step on its blocks: mixed precision's
-                                   unscale and overflow vote, clipping by the global norm (each
-                                   stage counted once, summed over the pipeline), the update
+                                   unscale and overflow vote, clipping by the global norm (summed
+                                   over the model-parallel ranks: each stage counted once, each
+                                   parameter held whole by every tp rank counted by tp rank 0),
+                                   the update
 
     loss_mb = Σ_(counted targets of mb) CE / N_batch   (objective.py: N_batch counts the whole
                                                         global batch, so gradients simply add up)
@@ -42,12 +48,14 @@ refimpl/trainer_protocol.py's `Trainer`.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import ExitStack, contextmanager
 
 from refimpl import backend
 from refimpl.autograd.saved import saved_tensors
 from refimpl.nn import functional as F
+from refimpl.nn.models import GPT
 from refimpl.nn.batch_rows import batch_rows
 from refimpl.objective import count_targets, split_batch
 
@@ -65,7 +73,8 @@ class Trainer:
 
     make_optimizer(params) builds the optimizer (with no parameters for ZeRO: it shards the state).
     Pipeline: pp ranks per pipeline, schedule (default 1f1b when pp > 1), micro_batches (default
-    2·pp), chunks (interleaved). Strategy: zero (0-3; 0 with float32/float64 is DDP, dp_mode
+    2·pp), chunks (interleaved). Tensor parallelism: tp ranks per layer (a GPT), with
+    sequence_parallel the activations between them cut along the sequence. Strategy: zero (0-3; 0 with float32/float64 is DDP, dp_mode
     bucketed or naive), bucket_bytes, prefetch and param_threshold (ZeRO-3). precision: float32,
     float64 or mixed. checkpoint: an activation checkpointing plan (refimpl/checkpointing).
     layers: further layers of the step (a new parallel dimension): each is given the mesh
@@ -77,9 +86,15 @@ class Trainer:
                  micro_batches: int | None = None, chunks: int | None = None, grad_accum: int = 1,
                  zero: int = 0, dp_mode: str = "bucketed", bucket_bytes: int = 1 << 20, prefetch: int = 0,
                  param_threshold: int = 0, precision: str = "float32", clip: float = 0.0, checkpoint=None,
-                 budget: int | None = None, action_costs=None, trace: str | None = None, layers=()) -> None:
+                 budget: int | None = None, action_costs=None, trace: str | None = None, layers=(),
+                 tp: int = 1, sequence_parallel: bool = False) -> None:
         if not isinstance(pp, int) or pp < 1:
             raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"--tp must be a positive integer (tensor-parallel ranks), got {tp!r}")
+        if sequence_parallel and tp == 1:
+            raise ValueError("--sequence-parallel cuts the sequence over the tensor-parallel group; it needs --tp 2 "
+                             "or more")
         if grad_accum <= 0:
             raise ValueError(f"--grad-accum must be positive, got {grad_accum}")
         pipelined = pp > 1 or schedule is not None
@@ -89,9 +104,17 @@ class Trainer:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"unknown ZeRO stage {zero!r}; choose 0 (data parallel), 1, 2 or 3")
         # 1. the mesh
-        self.mesh = Mesh(world, pp=pp)  # the same clear error on every rank if pp does not divide N
+        self.mesh = Mesh(world, pp=pp, tp=tp)  # the same clear error on every rank if pp · tp does not divide N
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.pp, self.dp, self.pipelined, self.clip, self.trace = pp, self.mesh.dp, pipelined, clip, trace
+        self.tp, self.tensor_parallel = tp, None
+        if tp > 1:  # 1b. cut the model over the tp group (each rank keeps its slices), then into stages
+            if not isinstance(model, GPT):
+                raise ValueError(f"tensor parallelism (--tp {tp}) splits a GPT's layers; {type(model).__name__} has "
+                                 "none to split: use --model gpt, or --tp 1")
+            from .tensor_parallel import shard_gpt  # noqa: PLC0415
+
+            self.tensor_parallel = shard_gpt(model, self.mesh.tp_comm, sequence_parallel)
         # 2. the micro-batch loop: a schedule of M micro-batches (one stage: gradient accumulation)
         name = schedule or "1f1b"
         self.schedule = build(name, pp, (2 * pp if micro_batches is None else micro_batches) if pipelined
@@ -115,20 +138,24 @@ class Trainer:
         self.counts_its_stages = all(self.primary[s] == p for s in self.stages)
         # 4. DualPipe: the ranks that hold a second copy of this rank's stages (the mirror in each pipeline)
         holders = sorted({r for s in self.stages for r in placement.ranks_of(s)})
-        self.copies = world.split(color=self.mesh.dp_index * pp + holders[0], key=p) if len(holders) > 1 else None
+        d, t = self.mesh.dp_index, self.mesh.tp_index
+        self.copies = world.split(color=(d * tp + t) * pp + holders[0], key=p) if len(holders) > 1 else None
         # 3 and 5: the gradient strategy over the data-parallel group, with precision and the optimizer
-        norm_total, any_rank = (self._pipeline_norm, self._pipeline_any) if pp > 1 else (None, None)
+        norm_total, any_rank = (self._model_parallel_norm, self._model_parallel_any) if pp * tp > 1 else (None, None)
+        uncounted = set()  # held whole by every tp rank: tp rank 0 counts them in the norm
+        if self.tensor_parallel is not None and t > 0:
+            uncounted = set(self.tensor_parallel.whole_names(name for name, _ in model.named_parameters()))
         dp_comm = self.mesh.dp_comm
         if zero == 0 and precision != "mixed":
             from .data_parallel import DataParallel  # noqa: PLC0415
 
             self.sharding = DataParallel(self.stages, make_optimizer, dp_comm, dp_mode, bucket_bytes, clip, budget,
-                                         rank=world.rank, norm_total=norm_total)
+                                         rank=world.rank, norm_total=norm_total, uncounted=uncounted)
         else:  # mixed precision needs ZeRO's float32 master weights and loss scaling (ZeRO-0: DP)
             from .zero import STAGES  # noqa: PLC0415
 
             options = dict(precision=precision, clip=clip, bucket_bytes=bucket_bytes, budget=budget, rank=world.rank,
-                           norm_total=norm_total, any_rank=any_rank)
+                           norm_total=norm_total, any_rank=any_rank, uncounted=uncounted)
             if zero == 3:
                 options.update(prefetch_bytes=prefetch, param_threshold=param_threshold)
             self.sharding = STAGES[zero](model, self.stages, make_optimizer([]), dp_comm, **options)
@@ -165,8 +192,10 @@ class Trainer:
             start = first_row + mb * b
             return batch_rows(start, start + b, len(x), self.steps_done)
 
+        cross_entropy = F.cross_entropy if self.tensor_parallel is None else self.tensor_parallel.cross_entropy
+
         def loss_fn(logits, mb):  # objective.micro_batch_loss, from the last stage's logits
-            return F.cross_entropy(logits, backend.asarray(micro[mb][1]), reduction="sum") * scale
+            return cross_entropy(logits, backend.asarray(micro[mb][1]), reduction="sum") * scale
 
         if self.pipelined:
             saved_tensors.reset_peak()
@@ -185,15 +214,16 @@ class Trainer:
             self.last_grads = self._on_rank0(self.sharding.whole(result.grads))
         self.sharding.end_step(result)
         self.steps_done += 1
-        return self.world.allreduce_value(record.loss)
+        return self.world.allreduce_value(record.loss if self.mesh.tp_index == 0 else 0.0)  # tp ranks: one loss
 
-    def _pipeline_norm(self, local: float) -> float:
-        """Σ over the pipeline of each stage's ‖g_s‖² (local: this rank's stages), each stage counted once."""
-        return self.mesh.pp_comm.allreduce_value(local if self.counts_its_stages else 0.0)
+    def _model_parallel_norm(self, local: float) -> float:
+        """Σ over the model-parallel ranks (pipeline x tp) of ‖g‖² (local: this rank's slices of its
+        stages, without the parameters another rank counts), each stage counted once."""
+        return self.mesh.mp_comm.allreduce_value(local if self.counts_its_stages else 0.0)
 
-    def _pipeline_any(self, flag: float) -> float:
-        """An overflow on any stage (flag 1.0) skips the step on every rank."""
-        return self.mesh.pp_comm.allreduce_value(flag, "max")
+    def _model_parallel_any(self, flag: float) -> float:
+        """An overflow on any stage or slice (flag 1.0) skips the step on every rank."""
+        return self.mesh.mp_comm.allreduce_value(flag, "max")
 
     @contextmanager
     def _around(self, action, last: bool):
@@ -223,10 +253,10 @@ class Trainer:
         """The model to evaluate on this rank, or None (collective).
 
         Without a pipeline every rank holds the whole `model` (ZeRO-3 gathers its parameters
-        during the forward, on every rank together). With one, rank 0 loads the whole trained
-        parameters into a fresh model from build() (its own `model` holds only its stages, and
-        under ZeRO-3 only shards); the other ranks evaluate nothing."""
-        if not self.pipelined:
+        during the forward, on every rank together). With a pipeline or tensor parallelism, rank 0
+        loads the whole trained parameters into a fresh model from build() (its own `model` holds
+        only its stages or slices, and under ZeRO-3 only shards); the other ranks evaluate nothing."""
+        if not self.pipelined and self.tensor_parallel is None:
             return model
         params = self.full_parameters()
         if self.rank != 0:
@@ -243,16 +273,24 @@ class Trainer:
     def checkpoint_pieces(self) -> list:
         """This rank's share of a sharded checkpoint: the blocks of the stages it is primary for,
         whole groups only from data-parallel replica 0 (refimpl/saved_runs/sharded.py)."""
+        if self.tensor_parallel is not None:
+            raise ValueError("sharded checkpoints (--save) of tensor-parallel runs are not written yet: their pieces "
+                             "are slices of parameters; train with --tp 1 to save, or without --save")
         mine = [s for s in self.stages if self.primary[s] == self.mesh.pp_index]
         return self.sharding.checkpoint_pieces(mine, writes_whole=self.mesh.dp_index == 0)
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
+        if self.tensor_parallel is not None:
+            raise ValueError("resuming a tensor-parallel run from a checkpoint is not supported yet; use --tp 1")
         self.sharding.load_full_state(masters, states, step)
 
     def _on_rank0(self, mine: dict) -> dict:
         """{name: array} of the whole model from each rank's {name: array} of its stages (collective
-        over the pipeline). Without a pipeline mine is already whole. Stage s comes from pipeline
-        rank primary[s] of replica 0: one message of its arrays flattened in model order."""
+        over the pipeline and the tp group). The tp group first puts its slices together
+        (TensorParallelGPT.whole). Without a pipeline that is whole. Stage s comes from pipeline
+        rank primary[s] of replica 0, tp rank 0: one message of its arrays flattened in model order."""
+        if self.tensor_parallel is not None:
+            mine = self.tensor_parallel.whole(mine)
         if not self.pipelined or self.pp == 1:
             return mine
         out: dict = {}
@@ -263,15 +301,16 @@ class Trainer:
                 if self.primary[s] == 0:
                     out.update({name: mine[name] for name, _ in named})
                     continue
-                buf = backend.xp().empty(sum(param.size for _, param in named), dtype=next(iter(mine.values())).dtype)
-                pending.append((named, buf, self.world.irecv(buf, self.primary[s], tag=s)))
-            for named, buf, request in pending:
+                shapes = [self._whole_shape(name, param) for name, param in named]
+                buf = backend.xp().empty(sum(math.prod(shape) for shape in shapes), dtype=next(iter(mine.values())).dtype)
+                pending.append((named, shapes, buf, self.world.irecv(buf, self.mesh.rank_of(0, self.primary[s]), tag=s)))
+            for named, shapes, buf, request in pending:
                 request.wait()
                 host, offset = backend.to_host(buf), 0
-                for name, param in named:
-                    out[name] = host[offset:offset + param.size].reshape(param.shape).copy()
-                    offset += param.size
-        elif self.mesh.dp_index == 0:
+                for (name, _), shape in zip(named, shapes):
+                    out[name] = host[offset:offset + math.prod(shape)].reshape(shape).copy()
+                    offset += math.prod(shape)
+        elif self.mesh.dp_index == 0 and self.mesh.tp_index == 0:
             for s, stage in self.stages.items():
                 if self.primary[s] == self.mesh.pp_index:
                     flat = backend.xp().concatenate([backend.asarray(mine[name]).reshape(-1)
@@ -279,6 +318,10 @@ class Trainer:
                     self.world.send(flat, 0, tag=s)
         order = [name for s in sorted(self.all_stages) for name, _ in self.all_stages[s].named_parameters()]
         return {name: out[name] for name in order} if self.rank == 0 else {}
+
+    def _whole_shape(self, name: str, param) -> tuple:
+        """The single-process shape of a parameter (this rank may hold a tensor-parallel slice)."""
+        return tuple(param.shape) if self.tensor_parallel is None else self.tensor_parallel.shapes[name]
 
     # -- reports ---------------------------------------------------------------------------------
     def _collect_timing(self, record) -> None:
@@ -309,6 +352,10 @@ class Trainer:
     def report(self) -> dict:
         """What train --json and verify --json print about the trainer (local: no communication)."""
         info = {"strategy": type(self.sharding).__name__, **self.sharding.report()}
+        if self.tensor_parallel is not None:
+            tp = self.tensor_parallel
+            info["tensor_parallel"] = {"tp": self.tp, "sequence_parallel": tp.sequence_parallel,
+                                       "padded_vocab": tp.padded_vocab, "split_parameters": len(tp.splits)}
         if not self.pipelined:
             return info
         S = self.schedule.num_stages

@@ -100,8 +100,9 @@ class Chain:
 
     def input_shape(self, layer: int, x_shape: tuple) -> tuple:
         """Shape of the activation entering `layer` for a micro-batch input of shape x_shape."""
-        if isinstance(self.model, GPT):
-            return (*x_shape, self.model.config.d_model)  # (b, T, C)
+        if isinstance(self.model, GPT):  # (b, T, C); with sequence parallelism (b, T/t, C)
+            index, count = self.model.sequence_shard
+            return (*x_shape[:-1], x_shape[-1] // count, self.model.config.d_model)
         return (x_shape[0], self.layers[layer].linear.weight.shape[1])  # (b, width)
 
 

@@ -13,7 +13,9 @@ gradient shard). The step, identical on every rank except for which block it tou
     1. mixed precision: g32 = float32(g16) / S; overflow = any non-finite element on any rank
        (a max all-reduce of one flag); on overflow every rank skips the step (optim/precision.py)
     2. clipping: ‖g‖² = Σ over ranks of the shard's ‖g_r‖² (a sum all-reduce of one number; in a
-       pipeline, then summed over the pipeline's ranks, each stage counted once);
+       pipeline or with tensor parallelism, then summed over the model-parallel ranks, each stage
+       counted once, and each parameter held whole by every tensor-parallel rank counted by one:
+       the names in `uncounted` are left out here);
        g ← g · min(1, max_norm / (‖g‖ + 1e-6)), as optim.clip_grad_norm_ on whole gradients
     3. optimizer.update(master, g, state) -- the same AdamW/SGD code as single-process training,
        on a flat block instead of a tensor (optim/adamw.py works on any arrays of equal shape)
@@ -37,13 +39,14 @@ class ShardedOptimizer:
     """Master weights and optimizer state of this rank's block of every group, and the step."""
 
     def __init__(self, optimizer, groups: list, param_blocks: list, ledger, comm, clip: float = 0.0,
-                 scaler=None, sharded: bool = True, norm_total=None, any_rank=None) -> None:
+                 scaler=None, sharded: bool = True, norm_total=None, any_rank=None, uncounted=()) -> None:
         self.optimizer, self.groups, self.param_blocks = optimizer, groups, param_blocks
         self.ledger, self.clip, self.scaler = ledger, clip, scaler
         self.comm = comm if sharded else None  # one shard: gradients are whole, nothing to combine
         # Beyond the group: the squared norm of the other pipeline stages (added), the overflow flags
         # of their ranks (max). None: this rank's group holds the whole model.
         self.norm_total, self.any_rank = norm_total, any_rank
+        self.uncounted = set(uncounted)  # parameters whose norm another rank counts
         self.masters, self.states = [], []
         for group, block in zip(groups, param_blocks):
             if scaler is not None:  # mixed precision: float32 master weights of the shard
@@ -83,7 +86,7 @@ class ShardedOptimizer:
                 return StepResult(False, grads)
         norm = None
         if self.clip > 0:  # 2. clip by the global norm
-            total = squared_norm(grads)
+            total = squared_norm(grads if not self.uncounted else counted_pieces(self.groups, grads, self.uncounted))
             if self.comm is not None:
                 total = self.comm.allreduce_value(total)
             if self.norm_total is not None:
@@ -117,3 +120,9 @@ class ShardedOptimizer:
         for key, value in self.state_arrays(g).items():
             value[...] = state[key]
         self.states[g]["step"] = step
+
+
+def counted_pieces(groups, blocks, uncounted: set) -> list:
+    """The pieces of each group's block (this rank's shard) that belong to parameters not in `uncounted`."""
+    return [block[position:position + stop - start] for group, block in zip(groups, blocks)
+            for name, start, stop, position in group.pieces() if name not in uncounted]

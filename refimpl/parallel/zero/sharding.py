@@ -77,7 +77,9 @@ class ZeroSharding:
     optimizer  an optimizer built with no parameters (its hyper-parameters and update rule)
     comm       the data-parallel group over which the state is sharded
     norm_total / any_rank  how the global gradient norm and the overflow vote are combined over
-               the ranks that do not share this rank's stages (the pipeline); None: nothing to add
+               the ranks that do not share this rank's stages (the pipeline, the tensor-parallel
+               group); None: nothing to add
+    uncounted  names of parameters whose gradient norm another rank counts (optimizer.py)
     """
 
     stage: int = -1
@@ -87,7 +89,7 @@ class ZeroSharding:
 
     def __init__(self, model, parts: dict, optimizer, comm, precision: str = "float32", clip: float = 0.0,
                  bucket_bytes: int = 1 << 20, budget: int | None = None, rank: int | None = None,
-                 norm_total=None, any_rank=None) -> None:
+                 norm_total=None, any_rank=None, uncounted=()) -> None:
         self.model, self.parts, self.comm, self.clip = model, parts, comm, clip
         self.precision, self.bucket_bytes = precision, bucket_bytes
         self.world_size, self.rank = comm.size, comm.rank
@@ -108,7 +110,7 @@ class ZeroSharding:
         self.param_blocks = self._hold_parameters()  # stage: registers parameters, returns blocks
         self.optimizer = ShardedOptimizer(optimizer, self.groups, self.param_blocks, self.ledger, comm, clip,
                                           self.scaler, sharded=self.sharded, norm_total=norm_total,
-                                          any_rank=any_rank)
+                                          any_rank=any_rank, uncounted=uncounted)
         self._hold_gradients()  # stage
         self._group_of = {id(p): group.index for group in self.groups for p in group.params}
         self._pending = [len(group.params) for group in self.groups]

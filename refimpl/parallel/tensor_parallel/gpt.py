@@ -1,0 +1,187 @@
+"""A GPT cut over a tensor-parallel group: which rank keeps which slice of which weight.
+
+Megatron-LM's transformer layer (Shoeybi et al. 2019, arXiv 1909.08053, §3, Figure 3) on t ranks,
+rank r of the group (`comm`), with sequence parallelism (Korthikanti et al. 2022, arXiv
+2205.05198, §4.2.2) as an option:
+
+    embedding   wte: vocabulary rows [r·V'/t, (r+1)·V'/t) of the padded vocabulary V' (a multiple
+                of t), summed by g (ḡ: reduce-scatter to sequence shards); wpe whole (its shard of
+                positions under sequence parallelism); dropout
+    attention   ln1 → qkv column-parallel: heads [r·H/t, (r+1)·H/t) of each of q, k and v (rows
+                of each third of the fused weight) → attention on those heads → proj row-parallel
+                (columns of those heads) → g (ḡ) → + bias → dropout → + residual
+    MLP         ln2 → fc column-parallel (rows r·4C/t ..) → GeLU → proj row-parallel → g (ḡ) →
+                + bias → dropout → + residual
+    head        ln_f → lm_head column-parallel over the vocabulary (tied: wte's rows) → logits
+                (B, T, V'/t) → the vocabulary-parallel cross-entropy (cross_entropy.py)
+
+Everything else (layer norms, the row-parallel biases, wpe) is whole on every rank. Without
+sequence parallelism those see the same activations and gradients on every rank and stay equal;
+with it each rank sees only its sequence shard, so a gradient hook sums each such parameter's
+gradient over the group in every backward, before it is accumulated (one all-reduce per
+parameter and backward).
+
+Construction: the caller builds the whole single-process GPT from the seed (as every rank does;
+pipeline/stage.py) and `shard_gpt` keeps this rank's slice of every split weight, so the model
+equals the single-process one by construction; the padded vocabulary rows are zero, never looked
+up, masked out of the loss, and so never move. Parameters keep their single-process names.
+`Split` records how each weight was cut; `TensorParallelGPT.whole` puts the pieces back together
+(verify, checkpoints' consolidation, evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refimpl import backend
+from refimpl.autograd.tensor import Parameter
+from refimpl.nn.models import GPT
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class Split:
+    """A whole parameter cut along `axis` into t equal slices; `parts` > 1: the axis holds that many
+    blocks (q, k, v) and each rank takes its slice of every block; `length`: the axis' real length
+    when it was padded to a multiple of t (the vocabulary), else None."""
+
+    axis: int
+    parts: int = 1
+    length: int | None = None
+
+    def shard(self, whole, r: int, t: int):
+        """Rank r's slice of the whole array (zero-padded first if the axis is padded)."""
+        a = np.moveaxis(np.asarray(whole), self.axis, 0)
+        if self.length is not None:
+            a = np.concatenate([a, np.zeros((padded(len(a), t) - len(a),) + a.shape[1:], a.dtype)])
+        blocks = a.reshape((self.parts, t, len(a) // (self.parts * t)) + a.shape[1:])  # (parts, t, n, …)
+        return np.moveaxis(blocks[:, r].reshape((-1,) + a.shape[1:]), 0, self.axis).copy()
+
+    def whole(self, shards: list):
+        """The whole array from every rank's slice, in rank order (the padding dropped)."""
+        s = [np.moveaxis(np.asarray(x), self.axis, 0) for x in shards]
+        rest = s[0].shape[1:]
+        blocks = np.stack([x.reshape((self.parts, -1) + rest) for x in s], axis=1)  # (parts, t, n, …)
+        a = blocks.reshape((-1,) + rest)
+        if self.length is not None:
+            a = a[:self.length]
+        return np.moveaxis(a, 0, self.axis).copy()
+
+
+def padded(n: int, t: int) -> int:
+    """n rounded up to a multiple of t (the padded vocabulary V')."""
+    return -(-n // t) * t
+
+
+class TensorParallelGPT:
+    """The model's tensor-parallel side: its group, the splits, the loss, and whole() (see shard_gpt)."""
+
+    def __init__(self, model: GPT, comm, sequence_parallel: bool) -> None:
+        self.model, self.comm, self.sequence_parallel = model, comm, sequence_parallel
+        self.size, self.rank = comm.size, comm.rank
+        self.vocab_size = model.config.vocab_size
+        self.padded_vocab = padded(self.vocab_size, self.size)
+        self.vocab_start = self.rank * self.padded_vocab // self.size
+        self.splits: dict[str, Split] = {}  # parameter name -> how it is cut; the rest is whole
+
+    def cross_entropy(self, logits, targets, ignore_index: int = -100, reduction: str = "mean"):
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.vocab_size, self.comm,
+                                            ignore_index, reduction)
+
+    def whole_names(self, names) -> list:
+        """The names among `names` of parameters held whole on every rank (counted once in a norm)."""
+        return [name for name in names if name not in self.splits]
+
+    def whole(self, arrays: dict) -> dict:
+        """{name: whole array} from this rank's {name: slice} (collective over the group; every rank
+        gets the result). One all-gather of every split array, flattened in the dict's order."""
+        split = [name for name in arrays if name in self.splits]
+        if not split:
+            return dict(arrays)
+        host = {name: backend.to_host(arrays[name]) for name in split}
+        flat = np.concatenate([host[name].reshape(-1) for name in split])  # (n,)
+        gathered = backend.to_host(self.comm.allgather(backend.asarray(flat))).reshape(self.size, -1)  # (t, n)
+        out, offset = dict(arrays), 0
+        for name in split:
+            size, shape = host[name].size, host[name].shape
+            out[name] = self.splits[name].whole([gathered[k, offset:offset + size].reshape(shape)
+                                                 for k in range(self.size)])
+            offset += size
+        return out
+
+
+def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParallelGPT:
+    """Cut `model` (built whole, from the single-process seed) in place over the group `comm`."""
+    t, r = comm.size, comm.rank
+    c = model.config
+    if c.n_head % t:
+        raise ValueError(f"--tp {t} does not divide the GPT's {c.n_head} attention heads (--n-head {c.n_head}): "
+                         f"use a --tp that divides it ({', '.join(map(str, _divisors(c.n_head)))}), or "
+                         f"--n-head {c.n_head + t - c.n_head % t} with --tp {t}")
+    if sequence_parallel and c.seq_len % t:
+        raise ValueError(f"--sequence-parallel cuts the sequence into --tp {t} shards, but the sequence length "
+                         f"{c.seq_len} is not divisible by {t}; use a --seq-len divisible by {t}")
+    tp = TensorParallelGPT(model, comm, sequence_parallel)
+    tp.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # whole, single-process
+
+    def cut(name: str, param: Parameter, split: Split) -> Parameter:
+        tp.splits[name] = split
+        return Parameter(backend.asarray(split.shard(backend.to_host(param.data), r, t), dtype=param.dtype))
+
+    def whole_in_sequence_shards(param: Parameter) -> None:
+        if sequence_parallel:  # each rank saw only its sequence shard: sum the group's gradients
+            param.register_hook(_summed_over(comm))
+
+    vocab = Split(0, length=c.vocab_size)
+    wte = cut("wte.weight", model.wte.weight, vocab)
+    model.wte = VocabParallelEmbedding(wte, tp.vocab_start, comm, sequence_parallel)
+    whole_in_sequence_shards(model.wpe.weight)
+    if sequence_parallel:
+        model.sequence_shard = (r, t)
+        model.drop.shard = (1, r, t)
+    for i, block in enumerate(model.blocks):
+        prefix = f"blocks.{i}"
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear(cut(f"{prefix}.attn.qkv.weight", attn.qkv.weight, Split(0, parts=3)),
+                                        cut(f"{prefix}.attn.qkv.bias", attn.qkv.bias, Split(0, parts=3)),
+                                        comm, sequence_parallel)
+        attn.proj = RowParallelLinear(cut(f"{prefix}.attn.proj.weight", attn.proj.weight, Split(1)), attn.proj.bias,
+                                      comm, sequence_parallel)
+        attn.n_head = c.n_head // t
+        attn.attn_dropout.shard = (1, r, t)  # (B, H/t, T, T): this rank's heads of the whole mask
+        fc, proj = mlp.layers
+        setattr(mlp.layers, "0", ColumnParallelLinear(cut(f"{prefix}.mlp.layers.0.weight", fc.weight, Split(0)),
+                                                      cut(f"{prefix}.mlp.layers.0.bias", fc.bias, Split(0)),
+                                                      comm, sequence_parallel))
+        setattr(mlp.layers, "1", RowParallelLinear(cut(f"{prefix}.mlp.layers.1.weight", proj.weight, Split(1)),
+                                                   proj.bias, comm, sequence_parallel))
+        for param in (block.ln1.weight, block.ln1.bias, block.ln2.weight, block.ln2.bias, attn.proj.bias, proj.bias):
+            whole_in_sequence_shards(param)
+        if sequence_parallel:
+            attn.resid_dropout.shard = block.dropout.shard = (1, r, t)  # (B, T/t, C)
+    for param in (model.ln_f.weight, model.ln_f.bias):
+        whole_in_sequence_shards(param)
+    if not c.tie_weights:
+        model.lm_head = ColumnParallelLinear(cut("lm_head.weight", model.lm_head.weight, vocab), None, comm,
+                                             sequence_parallel)
+    model.tensor_parallel = tp
+    return tp
+
+
+def _summed_over(comm):
+    def hook(grad):
+        summed = grad.copy()
+        comm.allreduce(summed)
+        return summed
+    return hook
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+__all__ = ["Split", "TensorParallelGPT", "shard_gpt", "padded"]
