@@ -5,7 +5,9 @@ user's sweep and CI check the same things: every ZeRO stage (0-3), built-in and 
 naive and bucketed DDP, gradient accumulation, AdamW and SGD, clipping on and off, the GPT with
 dropout and activation checkpointing that really recomputes (at least 4 blocks; every:K, sqrt,
 revolve), the MLP, and, where the world size allows, every pipeline schedule on a dp × pp mesh
-(with every ZeRO stage and checkpointing inside the stages). All in float64 with small models,
+(with every ZeRO stage and checkpointing inside the stages), and tensor parallelism (tp 2 or 4,
+with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
+stage. All in float64 with small models,
 2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py).
 
 `draw_flags(world_size, choose)` takes the chooser as an argument: `verify --sweep` passes one
@@ -57,7 +59,8 @@ def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
         m = choose("micro_batches", micro_batches)
         layers_per_stage = choose("layers_per_stage", [1, 2])
         n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer
-        dp = world_size // pp
+        tp = _draw_tensor_parallel(flags, world_size // pp, choose) if model == "gpt" else 1
+        dp = world_size // (pp * tp)
         zero = choose("zero", [0, 1, 2, 3])
         flags += ["--schedule", name, "--pp", pp, "--micro-batches", m, "--n-layer", max(n_layer, 1),
                   "--batch-size", dp * m * choose("examples_per_micro_batch", [1, 2]),
@@ -69,6 +72,8 @@ def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
         if model == "gpt" and layers_per_stage > 1:  # recomputation inside a stage
             flags += ["--checkpoint", choose("stage_checkpoint", ["none", "every:1", "sqrt"])]
     else:
+        if model == "gpt" and pipeline:
+            _draw_tensor_parallel(flags, world_size, choose)
         zero = choose("zero", [0, 1, 2, 3])
         accum = choose("grad_accum", [1, 2, 3])
         flags += ["--zero", zero, "--grad-accum", accum,
@@ -85,6 +90,19 @@ def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
     if model == "gpt":
         flags += ["--dropout", choose("dropout", [0.0, 0.1]), "--seed", choose("seed", [0, 1, 2])]
     return [str(f) for f in flags]
+
+
+def _draw_tensor_parallel(flags: list, ranks: int, choose) -> int:
+    """Draw --tp among the divisors of `ranks` up to 4 (tp 1 as likely as all others together) and,
+    with tp > 1, --sequence-parallel; adds the flags (tp 4 needs 4 heads) and returns tp."""
+    sizes = [t for t in (2, 4) if ranks % t == 0]
+    tp = choose("tp", [1] * len(sizes) + sizes)
+    if tp > 1:
+        flags[flags.index("--n-head") + 1] = str(max(2, tp))  # tp 4 needs 4 heads; seq-len 8 divides by each tp
+        flags += ["--tp", tp]
+        if choose("sequence_parallel", [False, True]):
+            flags.append("--sequence-parallel")
+    return tp
 
 
 def numpy_chooser(rng: np.random.Generator):

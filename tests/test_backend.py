@@ -187,6 +187,9 @@ HOST_BY_DESIGN = {
     "nn/models.py": ({"random.default_rng"}, "weights are drawn on the host: the same model on every backend"),
     "nn/functional.py": ({"frompyfunc"}, "erf on the NumPy backend (the CuPy branch uses cupyx)"),
     "nn/module.py": ({"asarray"}, "load_state_dict reads host arrays"),
+    "parallel/tensor_parallel/gpt.py": ({"asarray", "concatenate", "moveaxis", "stack", "zeros"},
+                                        "slices are cut from the host initialisation and put back together on "
+                                        "the host (Split.shard / Split.whole: construction and verification)"),
     "objective.py": ({"asarray"}, "counts the targets of a host batch"),
     "verify.py": ({"inf"}, "an injected overflow"),
     "compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"}, "tolerances from host copies of the gradients"),

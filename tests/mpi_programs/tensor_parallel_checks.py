@@ -1,0 +1,84 @@
+"""Tensor parallelism's exact accounting, in one MPI launch.
+
+    mpiexec -n N python tests/mpi_programs/tensor_parallel_checks.py CONFIGS.json
+
+CONFIGS.json: a list of train flag lists with --tp (and --pp, --sequence-parallel, --checkpoint,
+--zero ...). For each, the distributed Trainer takes two steps; on every rank:
+
+  * bytes sent on the tp group in the second step == formulas.bytes_per_step, by kind
+    (allreduce, allgather, reduce_scatter), for this rank's stages;
+  * the parameters held whole on every tp rank (layer norms, row-parallel biases, wpe) are equal,
+    bit for bit, across the group after the steps (nothing drifts apart).
+
+Rank 0 prints one JSON list: {"flags", "measured", "expected", "whole_equal"} per configuration
+(measured/expected: every rank's {kind: bytes}).
+"""
+
+import json
+import sys
+
+import numpy as np
+
+from refimpl import backend
+from refimpl.checkpointing.actions import simulate_chain
+from refimpl.checkpointing.plans import actions_for
+from refimpl.commands.train import add_arguments, config_from_args
+from refimpl.console import emit_json
+from refimpl.parallel.comm import get_world
+from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.train import build_model, build_task, make_trainer
+
+KINDS = ("allreduce", "allgather", "reduce_scatter")
+
+
+def recomputed_blocks(plan: str, blocks: int) -> int:
+    """Block forwards recomputed per micro-batch by the plan's schedule (checkpointing/plans.py)."""
+    actions = actions_for(plan, blocks)
+    return 0 if actions is None else simulate_chain(actions, blocks).advances
+
+
+def check(world, flags: list) -> dict:
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(flags))
+    cfg.check()
+    task = build_task(cfg)
+    model = build_model(cfg, task)
+    trainer = make_trainer(cfg, model, world, distributed=True)
+    x, y = task.batch(0, cfg.batch_size)
+    trainer.step(x, y)
+    tp_comm = trainer.mesh.tp_comm
+    before = tp_comm.counters.snapshot()
+    trainer.step(x, y)
+    spent = tp_comm.counters.since(before)
+    measured = {kind: spent.get(kind, {}).get("bytes", 0) for kind in KINDS}
+    stages = trainer.stages.values()
+    blocks = sum(len(s.layers) if hasattr(s, "layers") else cfg.n_layer for s in stages)
+    shape = StepShape(tokens=len(x) // (trainer.dp * trainer.schedule.micro_batches) * x.shape[1],
+                      width=cfg.d_model, blocks=blocks, micro_batches=trainer.schedule.micro_batches,
+                      has_embedding=any(s.is_first for s in stages), has_head=any(s.is_last for s in stages),
+                      max_positions=cfg.seq_len,
+                      recomputed_blocks=recomputed_blocks(cfg.checkpoint, blocks))
+    expected = bytes_per_step(shape, cfg.sequence_parallel, cfg.tp, np.dtype(cfg.dtype).itemsize)
+    tp = trainer.tensor_parallel
+    whole = {name: backend.to_host(a) for name, a in trainer.sharding.whole_parameters().items()
+             if name not in tp.splits}  # whole over the data-parallel group (ZeRO-3 holds shards)
+    gathered = tp_comm.allgather_object(whole)
+    equal = all(np.array_equal(other[name], whole[name]) for other in gathered for name in whole)
+    return {"flags": flags, "measured": world.allgather_object(measured),
+            "expected": world.allgather_object(expected), "whole_equal": all(world.allgather_object(equal))}
+
+
+def main() -> None:
+    world = get_world()
+    with open(sys.argv[1]) as f:
+        configs = json.load(f)
+    results = [check(world, [str(flag) for flag in flags]) for flags in configs]
+    if world.rank == 0:
+        emit_json(results)
+
+
+if __name__ == "__main__":
+    main()
