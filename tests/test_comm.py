@@ -5,6 +5,7 @@ messages, and that none of it imports mpi4py.
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from collections import deque
@@ -305,33 +306,95 @@ class StubWorld:
         return ("split", color, key)
 
 
-def test_mesh_layout_is_pipeline_contiguous():
-    mesh = Mesh(StubWorld(rank=4, size=6), dp=2, pp=3)
-    assert (mesh.dp_index, mesh.pp_index) == (1, 1)
-    assert [mesh.rank_of(1, p) for p in range(3)] == [3, 4, 5]  # one pipeline: contiguous ranks
-    assert [mesh.rank_of(d, 1) for d in range(2)] == [1, 4]  # one stage's replicas: stride pp
-    assert mesh.dp_comm == ("split", 1, 1) and mesh.pp_comm == ("split", 1, 1)
+def megatron_coords(rank, dp, pp, tp):
+    """(d, p, t) of a rank in Megatron-LM's order, written out independently of mesh.py."""
+    return rank // tp % dp, rank // (tp * dp), rank % tp
+
+
+def test_mesh_layout_is_megatron_order():
+    mesh = Mesh(StubWorld(rank=4, size=6), dp=2, pp=3)  # tp = 1: rank = p * dp + d
+    assert (mesh.dp_index, mesh.pp_index, mesh.tp_index) == (0, 2, 0) and mesh.tp == 1
+    assert [mesh.rank_of(1, p) for p in range(3)] == [1, 3, 5]  # one pipeline: stride dp
+    assert [mesh.rank_of(d, 1) for d in range(2)] == [2, 3]  # one stage's replicas: neighbours
+    assert mesh.dp_comm == ("split", 2, 0) and mesh.pp_comm == ("split", 0, 2)
+    assert mesh.tp_comm == ("split", 4, 0) and mesh.mp_comm == ("split", 0, 2)
     assert all(mesh.rank_of(*mesh.coords_of(r)) == r for r in range(6))
     assert Mesh(StubWorld(0, 6), pp=2).dp == 3 and Mesh(StubWorld(0, 6), dp=2).pp == 3
     assert (Mesh(StubWorld(0, 6), dp=None, pp=None).dp, Mesh(StubWorld(0, 6)).pp) == (6, 1)
+    assert (Mesh(StubWorld(0, 12), pp=3, tp=2).dp, Mesh(StubWorld(0, 12), dp=3, tp=2).pp) == (2, 2)
+    assert (Mesh(StubWorld(0, 12), tp=4).dp, Mesh(StubWorld(0, 12), tp=4).pp) == (3, 1)
 
 
-@pytest.mark.parametrize("dp, pp, message", [
-    (2, 2, "mesh: dp=2 x pp=2 needs 4 ranks, but the world has 6; launch mpiexec -n 4, or choose dp * pp = 6"),
-    (None, 4, "mesh: pp=4 does not divide the world size 6"),
-    (4, None, "mesh: dp=4 does not divide the world size 6"),
-    (0, 1, "mesh: dp must be a positive integer"),
-    (2, 1.5, "mesh: pp must be a positive integer"),
+def split_groups(meshes, comm):
+    """The groups a world.split of every rank's mesh makes: [world ranks ordered by key], sorted."""
+    groups = {}
+    for rank, mesh in enumerate(meshes):
+        _, color, key = getattr(mesh, comm)
+        groups.setdefault(color, []).append((key, rank))
+    return sorted([rank for _, rank in sorted(members)] for members in groups.values())
+
+
+@pytest.mark.parametrize("dp, pp, tp", [(2, 2, 2), (3, 2, 2), (2, 3, 2), (1, 2, 4), (2, 1, 3), (1, 1, 8)])
+def test_mesh_with_tensor_parallelism(dp, pp, tp):
+    n = dp * pp * tp
+    meshes = [Mesh(StubWorld(rank, n), dp=dp, pp=pp, tp=tp) for rank in range(n)]
+    for rank, mesh in enumerate(meshes):
+        coords = megatron_coords(rank, dp, pp, tp)
+        assert (mesh.dp_index, mesh.pp_index, mesh.tp_index) == coords == mesh.coords_of(rank)
+        assert mesh.rank_of(*coords) == rank
+        assert mesh.as_dict() == {"dp": dp, "pp": pp, "tp": tp, "dp_index": coords[0], "pp_index": coords[1],
+                                  "tp_index": coords[2]}
+    rank = lambda d, p, t: (p * dp + d) * tp + t  # noqa: E731
+    assert split_groups(meshes, "tp_comm") == sorted([rank(d, p, t) for t in range(tp)]
+                                                     for d in range(dp) for p in range(pp))
+    assert split_groups(meshes, "dp_comm") == sorted([rank(d, p, t) for d in range(dp)]
+                                                     for p in range(pp) for t in range(tp))
+    assert split_groups(meshes, "pp_comm") == sorted([rank(d, p, t) for p in range(pp)]
+                                                     for d in range(dp) for t in range(tp))
+    assert split_groups(meshes, "mp_comm") == sorted([rank(d, p, t) for p in range(pp) for t in range(tp)]
+                                                     for d in range(dp))
+
+
+def test_mesh_2x2x2_grid():
+    """mesh.py's picture: pp = dp = tp = 2 over 8 ranks."""
+    meshes = [Mesh(StubWorld(rank, 8), dp=2, pp=2, tp=2) for rank in range(8)]
+    assert [m.coords_of(r) for r, m in enumerate(meshes)] == [
+        (0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1), (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
+    assert all(meshes[0].rank_of(*meshes[0].coords_of(r)) == r for r in range(8))
+    assert split_groups(meshes, "tp_comm") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_groups(meshes, "dp_comm") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert split_groups(meshes, "pp_comm") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert split_groups(meshes, "mp_comm") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+@pytest.mark.parametrize("dp, pp, tp, message", [
+    (2, 2, None, "mesh: dp=2 x tp=1 x pp=2 needs 4 ranks, but the world has 6; launch mpiexec -n 4, "
+                 "or choose dp x tp x pp = 6"),
+    (None, 4, None, "mesh: pp=4 x tp=1 does not divide the world size 6; launch a multiple of 4 ranks"),
+    (4, None, None, "mesh: dp=4 x tp=1 does not divide the world size 6; launch a multiple of 4 ranks"),
+    (None, None, 4, "mesh: pp=1 x tp=4 does not divide the world size 6; launch a multiple of 4 ranks"),
+    (None, 2, 2, "mesh: pp=2 x tp=2 does not divide the world size 6; launch a multiple of 4 ranks"),
+    (2, None, 4, "mesh: dp=2 x tp=4 does not divide the world size 6; launch a multiple of 8 ranks"),
+    (3, 1, 4, "mesh: dp=3 x tp=4 x pp=1 needs 12 ranks, but the world has 6; launch mpiexec -n 12, "
+              "or choose dp x tp x pp = 6"),
+    (0, 1, None, "mesh: dp must be a positive integer, not 0"),
+    (2, 1.5, None, "mesh: pp must be a positive integer, not 1.5"),
+    (None, None, 0, "mesh: tp must be a positive integer, not 0"),
 ])
-def test_mesh_errors(dp, pp, message):
-    with pytest.raises(ValueError, match=message.replace("*", r"\*").replace("(", r"\(")):
-        Mesh(StubWorld(0, 6), dp=dp, pp=pp)
+def test_mesh_errors(dp, pp, tp, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Mesh(StubWorld(0, 6), dp=dp, pp=pp, tp=tp)
 
 
 def test_mesh_coordinates_out_of_range():
     mesh = Mesh(commlib.LocalComm())
-    with pytest.raises(ValueError, match="outside the 1 x 1 grid"):
+    with pytest.raises(ValueError, match=re.escape("mesh: (d=1, p=0, t=0) is outside the dp=1 x pp=1 x tp=1 grid")):
         mesh.rank_of(1, 0)
+    grid = Mesh(StubWorld(0, 8), dp=2, pp=2, tp=2)
+    with pytest.raises(ValueError, match=re.escape("(d=0, p=0, t=2) is outside the dp=2 x pp=2 x tp=2 grid")):
+        grid.rank_of(0, 0, 2)
+    with pytest.raises(ValueError, match="mesh: rank 8 is outside a world of 8"):
+        grid.coords_of(8)
 
 
 # -- thread budget and failure messages ------------------------------------------------------------------

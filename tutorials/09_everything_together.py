@@ -20,18 +20,33 @@ from harness import last_json, run_mpi
 # %% [markdown]
 # ## 1. The grid
 #
-# refimpl numbers the ranks of a dp × pp grid with the pipeline stage varying fastest,
-# rank = d · pp + p (`refimpl/parallel/mesh.py`), so each pipeline is a run of consecutive ranks,
-# which a launcher filling nodes one after the other keeps inside a node (see
-# `docs/cluster.md`). Each row is one pipeline running the schedule; each column holds the same
-# stage in every replica and sums its gradients.
+# A job of N = pp · dp · tp ranks is a grid: dp data-parallel replicas of a pipeline of pp
+# stages, each stage's layers split over tp tensor-parallel ranks. refimpl numbers the ranks in
+# Megatron-LM's order (`refimpl/parallel/mesh.py`): the tensor-parallel index t varies fastest,
+# then the replica d, and the pipeline stage p slowest. The order follows how much each group
+# talks. A launcher fills the nodes one after the other (`docs/cluster.md`), so neighbouring
+# ranks share a node and its fastest links:
+#
+# * the tp ranks of a layer exchange activations inside every forward and backward, the heaviest
+#   and most frequent traffic: they are neighbours, inside one node (NVLink on GPUs);
+# * the dp replicas of a stage sum its gradients, in large messages that overlap the backward, once
+#   per step (ZeRO-2/3: once per micro-batch): next;
+# * the pp stages of a pipeline pass one activation per micro-batch, point to point, the least
+#   traffic: slowest, so a pipeline's stages are the ranks furthest apart, on different nodes
+#   once a job spans several.
+#
+# This tutorial runs 4 processes with tp = 1 (no tensor parallelism: `--tp` is for a GPT, see
+# `refimpl/parallel/tensor_parallel/`) as dp = 2 × pp = 2:
 
 # %%
-dp, pp = 2, 2
-for d in range(dp):
-    print(f"replica d={d}: " + "   ".join(f"stage p={p} on rank {d * pp + p}" for p in range(pp)))
+dp, pp = 2, 2  # tp = 1
+for p in range(pp):
+    print(f"stage p={p}: " + "   ".join(f"replica d={d} on rank {p * dp + d}" for d in range(dp)))
 
 # %% [markdown]
+# Each row is one stage in every replica: neighbouring ranks, which sum that stage's gradients
+# (its data-parallel group). Each column is one pipeline running the schedule: ranks dp apart.
+#
 # ## 2. What each rank holds
 #
 # `train --json` reports, for each pipeline rank, the model-state bytes it holds and the peak of
@@ -61,8 +76,8 @@ assert all(b < a for a, b in zip(zero1[1], both[1]))
 # %% [markdown]
 # Each pipeline rank holds about half the model (its 2 blocks; stage 0 also the embeddings,
 # stage 1 the head). ZeRO-1 halves its optimizer state: the state of each stage is split between
-# the stage's two copies. Checkpointing every block cuts the saved activations; and rank 0 holds
-# more activations than rank 1 because in 1F1B the first stage keeps more micro-batches in
+# the stage's two copies. Checkpointing every block cuts the saved activations; and pipeline rank 0
+# holds more activations than pipeline rank 1 because in 1F1B the first stage keeps more micro-batches in
 # flight (pp − r of them, tutorial 07).
 #
 # ## 3. All of it at once, verified
@@ -141,17 +156,28 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp
 # %% [markdown]
 # ## Exercises
 #
-# **Exercise 1.** `mesh_coordinates(rank, dp, pp)`: the pair (d, p) of a world rank in the
-# dp × pp grid.
+# **Exercise 1.** `mesh_coordinates(rank, dp, pp, tp)`: the triple (d, p, t) of a world rank --
+# its replica, its pipeline stage and its tensor-parallel shard -- in the pp × dp × tp grid of
+# section 1 (t fastest, then d, p slowest), for any tp, not only section 1's tp = 1. With
+# pp = dp = tp = 2 the 8 ranks are
+#
+#                  t=0 t=1          t=0 t=1
+#         p=0  d=0 [ 0   1 ]   d=1 [ 2   3 ]
+#         p=1  d=0 [ 4   5 ]   d=1 [ 6   7 ]
+#
+# so rank 6 is (d, p, t) = (1, 1, 0): first find how many ranks one step of each index moves
+# you by. (Rank 5 shares its layers' shards with rank 4, sums its gradients with rank 7, and
+# receives its activations from rank 1.) The check compares your answer with
+# `refimpl.parallel.mesh.Mesh` on every rank of grids with dp, pp and tp from 1 to 4.
 #
 # **Exercise 2.** `stage_layers(n_layer, num_stages)`: how many of the model's layers each stage
 # gets: `n_layer // num_stages` each, and one more for the first `n_layer % num_stages` stages
 # (the last stage also carries the head and the loss).
 #
-# **Exercise 3.** `gradient_group(rank, dp, pp, schedule)`: the list, in increasing order, of the
-# world ranks that sum their gradients with `rank`: every rank, in every replica, that holds the
-# same stages. With `"1f1b"` (stage p on pipeline rank p) and `"zbv"` (stages p and 2pp − 1 − p)
-# that is the rank's column; with `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so
+# **Exercise 3.** `gradient_group(rank, dp, pp, schedule)`, with tp = 1: the list, in increasing
+# order, of the world ranks that sum their gradients with `rank`: every rank, in every replica,
+# that holds the same stages. With `"1f1b"` (stage p on pipeline rank p) and `"zbv"` (stages p and
+# 2pp − 1 − p) that is the rank's row in section 1's grid, its data-parallel group; with `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so
 # pipeline ranks p and pp − 1 − p of every replica hold the same two stages.
 
 # %%
@@ -162,7 +188,7 @@ ex = Exercises("09_everything_together")
 
 
 @ex.stub
-def mesh_coordinates(rank, dp, pp):
+def mesh_coordinates(rank, dp, pp, tp):
     raise NotImplementedError("exercise 1")
 
 

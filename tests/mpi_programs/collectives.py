@@ -313,21 +313,42 @@ def check_split_and_mesh(chk, world) -> None:
     only_zero = world.split(color=0 if r == 0 else None)
     chk((only_zero is not None) == (r == 0), "split: color None gives None")
 
-    for dp in [d for d in range(1, n + 1) if n % d == 0]:
-        pp = n // dp
-        mesh = Mesh(world, dp=dp, pp=pp)
-        d, p = r // pp, r % pp
-        chk((mesh.dp_index, mesh.pp_index) == (d, p) and mesh.rank_of(d, p) == r, f"mesh {dp}x{pp}: coordinates")
-        chk(mesh.dp_comm.rank == d and mesh.pp_comm.rank == p, f"mesh {dp}x{pp}: sub-communicator ranks")
-        chk(mesh.dp_comm.allgather_object(r) == [mesh.rank_of(k, p) for k in range(dp)], f"mesh {dp}x{pp}: dp group")
-        chk(mesh.pp_comm.allgather_object(r) == list(range(d * pp, d * pp + pp)), f"mesh {dp}x{pp}: pp group")
-        inferred = Mesh(world, pp=pp)
-        chk((inferred.dp, inferred.pp) == (dp, pp), f"mesh pp={pp}: dp inferred")
+    # The mesh in Megatron-LM's order, rank = (p * dp + d) * tp + t, for every dp x pp x tp = n
+    shapes = [(dp, pp, n // (dp * pp)) for dp in range(1, n + 1) for pp in range(1, n + 1) if n % (dp * pp) == 0]
+    for dp, pp, tp in shapes:
+        name = f"mesh dp={dp} x pp={pp} x tp={tp}"
+        mesh = Mesh(world, dp=dp, pp=pp, tp=tp)
+        t, d, p = r % tp, r // tp % dp, r // (tp * dp)
+        rank = lambda d, p, t, dp=dp, tp=tp: (p * dp + d) * tp + t  # noqa: E731
+        chk((mesh.dp_index, mesh.pp_index, mesh.tp_index) == (d, p, t) == mesh.coords_of(r), f"{name}: coordinates")
+        chk(all(mesh.rank_of(*mesh.coords_of(k)) == k for k in range(n)), f"{name}: rank_of(coords_of(k)) == k")
+        chk((mesh.dp_comm.rank, mesh.pp_comm.rank, mesh.tp_comm.rank, mesh.mp_comm.rank) == (d, p, t, p * tp + t),
+            f"{name}: sub-communicator ranks")
+        chk(mesh.dp_comm.allgather_object(r) == [rank(k, p, t) for k in range(dp)], f"{name}: dp group")
+        chk(mesh.pp_comm.allgather_object(r) == [rank(d, k, t) for k in range(pp)], f"{name}: pp group")
+        chk(mesh.tp_comm.allgather_object(r) == [rank(d, p, k) for k in range(tp)], f"{name}: tp group")
+        chk(mesh.mp_comm.allgather_object(r) == [rank(d, q, k) for q in range(pp) for k in range(tp)],
+            f"{name}: mp group (one replica's tp x pp ranks)")
+        inferred, other = Mesh(world, pp=pp, tp=tp), Mesh(world, dp=dp, tp=tp)
+        chk((inferred.dp, inferred.pp, inferred.tp, other.pp) == (dp, pp, tp, pp), f"{name}: dp and pp inferred")
     chk.raises(lambda: Mesh(world, dp=n + 1, pp=1), ValueError, f"needs {n + 1} ranks, but the world has {n}",
                "mesh too big")
     chk.raises(lambda: Mesh(world, dp=2, pp=n), ValueError, f"needs {2 * n} ranks", "mesh dp x pp != N")
-    chk.raises(lambda: Mesh(world, pp=n + 1), ValueError, "does not divide the world size", "pp not dividing N")
+    chk.raises(lambda: Mesh(world, pp=n + 1), ValueError, f"pp={n + 1} x tp=1 does not divide the world size {n}",
+               "pp not dividing N")
+    chk.raises(lambda: Mesh(world, tp=n + 1), ValueError,
+               f"mesh: pp=1 x tp={n + 1} does not divide the world size {n}; launch a multiple of {n + 1} ranks",
+               "tp not dividing N")
+    chk.raises(lambda: Mesh(world, dp=1, tp=n + 1), ValueError,
+               f"mesh: dp=1 x tp={n + 1} does not divide the world size {n}; launch a multiple of {n + 1} ranks",
+               "dp x tp not dividing N")
+    chk.raises(lambda: Mesh(world, pp=1, tp=2 * n), ValueError,
+               f"mesh: pp=1 x tp={2 * n} does not divide the world size {n}", "pp x tp not dividing N")
+    chk.raises(lambda: Mesh(world, dp=1, pp=1, tp=n + 1), ValueError,
+               f"mesh: dp=1 x tp={n + 1} x pp=1 needs {n + 1} ranks, but the world has {n}; launch mpiexec -n {n + 1}, "
+               f"or choose dp x tp x pp = {n}", "dp x tp x pp != N")
     chk.raises(lambda: Mesh(world, dp=0), ValueError, "positive integer", "dp = 0")
+    chk.raises(lambda: Mesh(world, tp=0), ValueError, "mesh: tp must be a positive integer, not 0", "tp = 0")
 
 
 def check_bad_input(chk, world) -> None:
