@@ -1,4 +1,4 @@
-"""Command line: `python -m refimpl {train, verify, schedule, memory, consolidate} ...`.
+"""Command line: `python -m refimpl {train, verify, schedule, memory, consolidate, tensor-parallel} ...`.
 
 Each command lives in its own module in refimpl/commands/, which provides `add_arguments(parser)`
 and `run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
@@ -24,6 +24,8 @@ COMMANDS = {
     "schedule": ("refimpl.commands.schedule", "generate, validate, simulate and draw a pipeline schedule"),
     "memory": ("refimpl.commands.memory", "ZeRO memory per rank: the paper's estimator and the measured ledger"),
     "consolidate": ("refimpl.commands.consolidate", "merge a sharded checkpoint into one state dict (.npz)"),
+    "tensor-parallel": ("refimpl.commands.tensor_parallel",
+                        "tensor parallelism's activation, byte and parameter formulas beside the measurement"),
 }
 
 

@@ -252,7 +252,7 @@ def _batch_bytes(cfg, batch: int, seq: int) -> int:
     return 6 * 8 * batch * (seq + 1) + batch * seq
 
 
-def _pipeline(cfg, rank: int) -> tuple[int, int, int]:
+def _pipeline(cfg, rank: int, world_size: int) -> tuple[int, int, int]:
     """(stages S, stages this rank holds, (stage, micro-batch) pairs in flight at its peak).
 
     From the schedule itself (schedules.build, simulate.peak_in_flight) when it is small; else
@@ -271,7 +271,7 @@ def _pipeline(cfg, rank: int) -> tuple[int, int, int]:
         except ValueError:
             pass  # the trainer will say what is wrong; bound it meanwhile
         else:
-            p = rank % pp  # mesh.py: rank = d·pp + p
+            p = rank // (world_size // pp)  # mesh.py: rank = p·dp + d (tp = 1)
             return schedule.num_stages, len(schedule.placement.stages_of(p)), peak_in_flight(schedule, p)
     return stages, per_rank, M * per_rank
 
@@ -304,7 +304,7 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
     parts = est.parts
 
     if pipeline:
-        stages, held, in_flight = _pipeline(cfg, rank)
+        stages, held, in_flight = _pipeline(cfg, rank, world_size)
         if cfg.model == "gpt":  # the largest stage's blocks, with the embedding and the head
             layers = min(cfg.n_layer, _ceil_div(cfg.n_layer, stages))
             ends = psi - cfg.n_layer * _layer_parameters(cfg)

@@ -84,6 +84,7 @@ class TrainConfig:
     # tensor and sequence parallelism (refimpl/parallel/tensor_parallel; docs/tensor_parallel.md)
     tp: int = 1
     sequence_parallel: bool = False
+    partition_activations: bool = False
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -125,25 +126,13 @@ class TrainConfig:
             raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
 
     def check_tensor_parallel(self) -> None:
-        """--tp and --sequence-parallel against the model (the world size is the mesh's check)."""
-        if not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"--tp must be a positive integer (tensor-parallel ranks), got {self.tp}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("--sequence-parallel cuts the sequence over the tensor-parallel group; it needs --tp 2 "
-                             "or more")
-        if self.tp == 1:
-            return
-        if self.model != "gpt":
-            raise ValueError(f"--tp {self.tp} splits a GPT's layers over ranks; use it with --model gpt, or --tp 1")
-        if self.n_head % self.tp:
-            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
-            raise ValueError(f"--tp {self.tp} does not divide the GPT's {self.n_head} attention heads: use a --tp that "
-                             f"divides --n-head {self.n_head} ({', '.join(map(str, divisors))}), or --n-head "
-                             f"{self.n_head + self.tp - self.n_head % self.tp} with --tp {self.tp}")
-        if self.sequence_parallel and self.seq_len % self.tp:
-            raise ValueError(f"--sequence-parallel cuts each sequence into --tp {self.tp} shards, but --seq-len "
-                             f"{self.seq_len} is not divisible by {self.tp}; use a multiple of {self.tp}")
-        if self.save_dir or self.resume:
+        """--tp, --sequence-parallel and --partition-activations against the model (the world size is
+        the mesh's check)."""
+        from refimpl.parallel.tensor_parallel.gpt import check_options  # noqa: PLC0415 - imports no MPI
+
+        check_options(self.tp, self.sequence_parallel, self.partition_activations, self.checkpoint, self.model,
+                      self.n_head, self.seq_len)
+        if self.tp > 1 and (self.save_dir or self.resume):
             raise ValueError("sharded checkpoints (--save-dir, --resume) of tensor-parallel runs are not written yet; "
                              "use --tp 1 to save or resume")
 
@@ -341,7 +330,8 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
                    grad_accum=cfg.grad_accum, zero=cfg.zero, dp_mode=cfg.dp_mode, bucket_bytes=cfg.bucket_bytes,
                    prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
                    checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace,
-                   tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
+                   tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+                   partition_activations=cfg.partition_activations)
 
 
 def get_world(cfg: TrainConfig):

@@ -141,14 +141,15 @@ def test_point_to_point_traffic_is_exactly_the_schedules_messages(on_two, on_fou
         b = 2  # examples per micro-batch: batch = dp * m * 2
         message_bytes = b * spec["seq_len"] * spec["d_model"] * 8  # (b, T, C) float64, activations and gradients
         for world_rank, counts in enumerate(r["counters"]):
-            sends = _messages(schedule, world_rank % spec["pp"], 1) * spec["steps"]
-            receives = _messages(schedule, world_rank % spec["pp"], 0) * spec["steps"]
+            p = world_rank // (len(r["counters"]) // spec["pp"])  # mesh.py: rank = p·dp + d
+            sends = _messages(schedule, p, 1) * spec["steps"]
+            receives = _messages(schedule, p, 0) * spec["steps"]
             assert counts["send"] == {"calls": sends, "bytes": sends * message_bytes}, (spec, world_rank)
             assert counts["recv"]["calls"] == receives, (spec, world_rank)
 
 
 ERRORS = [
-    ({"pp": 3}, "mesh: pp=3 does not divide the world size 4"),
+    ({"pp": 3}, "mesh: pp=3 x tp=1 does not divide the world size 4"),
     ({"schedule": "dualpipe", "m": 6}, "dualpipe needs --micro-batches even and >= 2*pp = 8"),
     ({"schedule": "dualpipe", "pp": 1}, "dualpipe needs an even --pp"),
     ({"schedule": "interleaved", "m": 6}, "interleaved needs --micro-batches to be a multiple of --pp 4"),
@@ -213,8 +214,8 @@ def test_zero1_inside_the_gradient_groups_equals_single_process_training_with_ex
         spec, report = r["spec"], r["report"]
         G = r["dp"]
         assert report["sharding_group"] == G and report["stage_copies"] == (2 if spec["schedule"] == "dualpipe" else 1)
-        for p, world_rank in enumerate(range(spec["pp"])):  # replica 0's pipeline ranks
-            counts = r["counters"][world_rank]
+        for p in range(spec["pp"]):  # replica 0's pipeline ranks: world rank p·dp (mesh.py)
+            counts = r["counters"][p * G]
             padded = counts["padded"]  # L of each flat group of this rank
             assert all(length % G == 0 for length in padded)
             assert sum(padded) - report["parameters_of_rank"][p] < G * len(padded)  # < G padding per group
@@ -233,8 +234,8 @@ def test_zero2_and_zero3_inside_the_schedule_equal_single_process_training_with_
     for r in zero:
         spec, report, G = r["spec"], r["report"], r["dp"]
         assert report["sharding_group"] == G
-        for p in range(spec["pp"]):  # replica 0's pipeline ranks
-            counts = r["counters"][p]
+        for p in range(spec["pp"]):  # replica 0's pipeline ranks: world rank p·dp (mesh.py)
+            counts = r["counters"][p * G]
             L = sum(counts["padded"])  # Σ padded flat lengths of this rank's stages, multiples of G
             assert L % G == 0 and L - report["parameters_of_rank"][p] < G * len(counts["padded"])
             state = {k: v[p] for k, v in report["model_state_bytes"].items()}

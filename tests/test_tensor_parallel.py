@@ -113,6 +113,8 @@ BYTES = [SMALL + ["--model", "gpt", "--batch-size", "4"] + f.split() for f in (
     "--tp 2 --pp 2 --n-layer 3 --micro-batches 4",
     "--tp 4 --n-head 4 --n-layer 2 --dtype float32 --sequence-parallel --zero 3",
     "--tp 4 --n-head 4 --n-layer 2 --dtype float32 --zero 1",
+    "--tp 2 --n-layer 4 --checkpoint every:1 --partition-activations --dropout 0.1",
+    "--tp 4 --n-head 4 --n-layer 4 --checkpoint selective+revolve:1 --partition-activations --zero 2",
 )]
 
 
@@ -128,6 +130,50 @@ def test_tp_bytes_per_step_equal_the_formula_and_whole_parameters_stay_equal(tmp
         assert all(sum(m.values()) > 0 for m in r["measured"]), r  # every rank communicated
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_tensor_parallel_command_measures_what_its_formulas_say(world):
+    """Saved bytes per block (tp, + sequence parallel, selective, full recomputation, + Pa), bytes per step
+    and parameters per rank: every row's measurement equals its formula (the command exits 1 otherwise)."""
+    done = run_mpi(world, ["-m", "refimpl", "tensor-parallel", "--d-model", "16", "--n-head", "4", "--seq-len", "8",
+                           "--json"], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = last_json(done)
+    rows = result["activations"] + result["bytes"] + result["parameters"]
+    assert len(result["activations"]) == 7 and len(result["bytes"]) == 6
+    assert all(row["formula"] == row["measured"] > 0 or row["formula"] == row["measured"] == 0 for row in rows), rows
+    by_mode = {row["mode"]: row["measured"] for row in result["activations"]}
+    # sequence parallelism divides every term; selective recomputation removes the T² ones; Pa divides the kept input
+    assert by_mode["+ sequence parallel"] < by_mode["tensor parallel"]
+    assert by_mode["selective recomputation"] < by_mode["tensor parallel"]
+    assert by_mode["full recomputation + Pa"] * world == by_mode["full recomputation (every:1)"]
+
+
+def test_selective_recomputation_gives_bitwise_the_same_gradients_with_less_saved():
+    """The attention core recomputed by checkpoint() is the same arithmetic: gradients bit for bit."""
+    from refimpl.autograd.saved import saved_tensors
+    from refimpl.checkpointing import apply_to_gpt, current_plan
+    from refimpl.nn.batch_rows import batch_rows
+    from refimpl.nn.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=11, seq_len=8, n_layer=3, n_head=2, d_model=8, dropout=0.1, dtype="float64")
+    x = np.random.default_rng(0).integers(0, 11, (2, 8))
+    grads, peaks = {}, {}
+    for plan in ("none", "selective", "selective+every:1"):
+        model = apply_to_gpt(GPT(config, seed=1), plan)
+        assert str(current_plan(model)) == plan
+        saved_tensors.reset_peak()
+        start = saved_tensors.live_bytes
+        with batch_rows(0, 2, 2, 7):
+            model.loss(x, x).backward()
+        peaks[plan] = saved_tensors.peak_bytes - start
+        grads[plan] = {name: p.grad.copy() for name, p in model.named_parameters()}
+    for plan in ("selective", "selective+every:1"):
+        for name, g in grads["none"].items():
+            np.testing.assert_array_equal(grads[plan][name], g, err_msg=f"{plan}: {name}")
+    assert peaks["selective+every:1"] < peaks["selective"] < peaks["none"]
+
+
 ERRORS = [
     (["--tp", "3", "--n-head", "3", "--d-model", "12"], "mesh: pp=1 x tp=3 does not divide the world size 4; launch a multiple of 3 ranks"),
     (["--tp", "2", "--n-head", "3", "--d-model", "6"],
@@ -139,6 +185,13 @@ ERRORS = [
     (["--tp", "2", "--model", "mlp"], "--tp 2 splits a GPT's layers over ranks; use it with --model gpt, or --tp 1"),
     (["--tp", "2", "--save-dir", "x"], "sharded checkpoints (--save-dir, --resume) of tensor-parallel runs"),
     (["--tp", "0"], "--tp must be a positive integer"),
+    (["--tp", "2", "--partition-activations"], "--partition-activations divides the kept block inputs of a "
+                                               "checkpointing plan, and --checkpoint none keeps none"),
+    (["--tp", "2", "--partition-activations", "--sequence-parallel", "--checkpoint", "every:1"],
+     "--partition-activations has nothing to divide with --sequence-parallel"),
+    (["--partition-activations", "--checkpoint", "sqrt"], "--partition-activations divides activation checkpoints "
+                                                          "over the tensor-parallel group; it needs --tp 2"),
+    (["--checkpoint", "selective+"], "name the chain plan after '+'"),
 ]
 
 

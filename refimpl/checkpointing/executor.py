@@ -44,7 +44,7 @@ class ChainRun:
     """The state of one execution: snapshots, the state in hand, the recorded range, the gradient."""
 
     def __init__(self, layers, layer_params: list[list], generators: list[list], actions: list,
-                 preserve_rng_state: bool) -> None:
+                 preserve_rng_state: bool, store=None) -> None:
         self.layers = layers  # layer k (1-based) is layers[k - 1]
         self.layer_params = layer_params  # parameters of layer k: layer_params[k - 1]
         self.generators = generators
@@ -52,7 +52,8 @@ class ChainRun:
         self.rng_before: dict[int, list] = {}  # layer -> generator states before its first forward
         self.actions = actions
         self.n_forward = forward_part(actions)
-        self.snapshots: dict[int, object] = {}  # position -> array (registered in the ledger)
+        self.snapshots: dict[int, tuple] = {}  # position -> (kept array, registered in the ledger; shape)
+        self.store = store  # None: keep snapshots whole; else store.pack / store.unpack (see run_schedule)
         self.hand: tuple | None = None  # (position, Tensor)
         self.recorded: tuple | None = None  # (start, stop, input leaf, output Tensor)
         self.grad: tuple | None = None  # (position, gradient array or None)
@@ -92,14 +93,16 @@ class ChainRun:
 
     def _snapshot(self, a: Snapshot) -> None:
         array = self.hand[1].data
-        saved_tensors.add(array)
-        self.snapshots[a.at] = array
+        kept = array if self.store is None else self.store.pack(array)
+        saved_tensors.add(kept)
+        self.snapshots[a.at] = (kept, array.shape)
 
     def _free(self, a: Free) -> None:
-        saved_tensors.remove(self.snapshots.pop(a.at))
+        saved_tensors.remove(self.snapshots.pop(a.at)[0])
 
     def _restore(self, a: Restore) -> None:
-        self.hand = (a.at, Tensor(self.snapshots[a.at]))
+        kept, shape = self.snapshots[a.at]
+        self.hand = (a.at, Tensor(kept if self.store is None else self.store.unpack(kept, shape)))
 
     def _advance(self, a: Advance) -> None:
         x = self.hand[1]
@@ -137,8 +140,8 @@ class ChainRun:
     # --- cleanup ------------------------------------------------------------------------------
     def drop(self) -> None:
         """Free whatever is still held (a backward that never ran, or failed half-way)."""
-        for array in self.snapshots.values():
-            saved_tensors.remove(array)
+        for kept, _ in self.snapshots.values():
+            saved_tensors.remove(kept)
         self.snapshots = {}
         if self.recorded is not None:
             _release_graph(self.recorded[3])
@@ -156,7 +159,8 @@ class ScheduledChain(RecomputingFunction):
                 for k in range(1, len(run.layers) + 1):
                     x = run.call(k, x)
             return x.data
-        self.save_for_backward(x0)
+        if run.store is None:  # (with a store, the snapshot of position 0 is what keeps x_0)
+            self.save_for_backward(x0)
         self.rows = batch_rows.current()  # which rows of which batch: restored for the recomputations
         run.x0_requires_grad = self.needs_input_grad[0]
         run.hand = (0, Tensor(x0))
@@ -180,10 +184,14 @@ class ScheduledChain(RecomputingFunction):
 
 
 def run_schedule(layers, x: Tensor, actions: list, layer_params: list[list], generators: list[list],
-                 preserve_rng_state: bool = True) -> Tensor:
-    """x_n of the chain, computed (and later reversed) by the schedule `actions`."""
+                 preserve_rng_state: bool = True, store=None) -> Tensor:
+    """x_n of the chain, computed (and later reversed) by the schedule `actions`.
+
+    store: how snapshots are kept -- None, whole; or an object with pack(array) -> the array to
+    keep and unpack(kept, shape) -> the whole array again (ZeRO-R's partitioned activations keep
+    1/t of each on every tensor-parallel rank: refimpl/parallel/tensor_parallel/partition.py)."""
     params = _unique(p for ps in layer_params for p in ps)
-    run = ChainRun(layers, layer_params, generators, actions, preserve_rng_state)
+    run = ChainRun(layers, layer_params, generators, actions, preserve_rng_state, store)
     return ScheduledChain.apply(x, *params, run=run, params=params)
 
 

@@ -5,12 +5,15 @@ wrap the blocks from above (nn does not import checkpointing; data flows one way
 
     logits = gpt_forward(model, idx, "sqrt")     # embed -> checkpoint_sequential(blocks) -> head
     apply_to_gpt(model, "revolve:4")             # from now on model(idx) does the same
+    apply_to_gpt(model, "selective+every:2")     # attention cores recomputed, and every:2 on blocks
     apply_to_gpt(model, "none")                  # back to the plain forward
 
 apply_to_gpt installs a blocks runner (GPT.blocks_runner, a callable (blocks, x) -> x that the
 GPT's forward calls instead of its plain loop), so everything that calls model(idx) or
 model.loss(idx, targets) — the training loop, data parallelism, ZeRO — runs the checkpointed
-forward without knowing it. Hooks, parameters and state_dict are untouched.
+forward without knowing it. Hooks, parameters and state_dict are untouched. A selective plan also
+installs an attention-core runner in every block (CausalSelfAttention.core_runner): the core runs
+under checkpoint(), which keeps only its inputs q, k, v (selective_recomputation below).
 
 `checkpoint_stats(model)` reads what the training loop reports: forward calls per block (a
 forward pre-hook counter, recomputations included) and the peak of saved bytes (the engine's
@@ -23,7 +26,8 @@ from __future__ import annotations
 from refimpl.autograd.grad_mode import is_enabled as is_grad_enabled
 from refimpl.autograd.tensor import Tensor
 
-from .plans import Budget, NoCheckpoint, parse_plan
+from .checkpoint import checkpoint
+from .plans import Budget, NoCheckpoint, Selective, chain_plan, parse_plan
 from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
 
 
@@ -37,8 +41,9 @@ def gpt_forward(model, idx, plan="none", *, preserve_rng_state: bool = True) -> 
 class CheckpointedBlocks:
     """The blocks runner installed by apply_to_gpt: remembers the plan and resolved budgets."""
 
-    def __init__(self, plan) -> None:
+    def __init__(self, plan, store=None) -> None:
         self.plan = parse_plan(plan)
+        self.store = store  # how kept block inputs are stored (executor.run_schedule); None: whole
         self.resolved: dict = {}  # (shape, dtype) of the blocks' input -> concrete plan
 
     def __call__(self, blocks, x) -> Tensor:
@@ -52,17 +57,33 @@ class CheckpointedBlocks:
             if key not in self.resolved:
                 self.resolved[key] = resolve_plan(plan, blocks, x, measure_layer_cost(blocks[0], x))
             plan = self.resolved[key]
-        return checkpoint_sequential(blocks, x, plan)  # (B, T, C)
+        return checkpoint_sequential(blocks, x, plan, store=self.store)  # (B, T, C)
 
 
-def apply_to_gpt(model, plan):
-    """Make model(idx) run its blocks under `plan` ("none" restores the plain forward). Returns model."""
+def apply_to_gpt(model, plan, store=None):
+    """Make model(idx) run its blocks under `plan` ("none" restores the plain forward). Returns model.
+    store: how kept block inputs are stored (partitioned activations); None keeps them whole."""
     plan = parse_plan(plan)
-    model.blocks_runner = None if isinstance(plan, NoCheckpoint) else CheckpointedBlocks(plan)
+    selective_recomputation(model.blocks, isinstance(plan, Selective))
+    blocks = chain_plan(plan)
+    model.blocks_runner = None if isinstance(blocks, NoCheckpoint) else CheckpointedBlocks(blocks, store)
     return model
+
+
+def selective_recomputation(blocks, on: bool = True) -> None:
+    """Run the attention core of each block under checkpoint() (on) or plainly (off).
+
+    Korthikanti et al. 2022 (arXiv 2205.05198, §5): the core's saved tensors -- the softmax output,
+    the dropout mask and the dropped probabilities, 3·B·H·T² numbers per block here -- are the
+    ones that grow with T², while recomputing them costs only the core's own FLOPs (a few percent
+    of a block's). The core keeps its inputs q, k, v instead."""
+    for block in blocks:
+        block.attn.core_runner = checkpoint if on else None
 
 
 def current_plan(model):
     """The plan installed by apply_to_gpt (a plan object), or none."""
     runner = model.blocks_runner
-    return runner.plan if isinstance(runner, CheckpointedBlocks) else NoCheckpoint()
+    blocks = runner.plan if isinstance(runner, CheckpointedBlocks) else NoCheckpoint()
+    selective = any(block.attn.core_runner is not None for block in model.blocks)
+    return Selective(blocks) if selective else blocks

@@ -28,6 +28,14 @@ beyond the n that any backward needs (see actions.py: every layer is recorded ex
                  bytes is at most B (ties: the smaller peak). Candidates: none, every:K for all K,
                  revolve:C for all useful C. B accepts a suffix: 64MiB, 2GB, 512KiB...
 
+Selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198, §5) works inside a layer, not
+on the chain: `selective` recomputes only each transformer block's attention core (scores,
+softmax, its dropout, the product with V: the tensors that grow with T²), keeping everything
+else; `selective+PLAN` (e.g. selective+every:2) combines it with a chain plan: the chain plan
+decides which blocks are recomputed whole, and every block that is recorded (in the forward pass,
+or when a segment is re-recorded in backward) keeps only its core's inputs q, k, v. The chain
+functions below (actions_for, predicted_cost, ...) see the chain plan; gpt.py installs both.
+
 The peak of a plan is predicted by simulating its actions (actions.simulate_chain) with the layer's
 measured A, R and whether it saves its input array (LayerCost); the tests check the prediction
 against the engine's ledger.
@@ -42,7 +50,7 @@ from dataclasses import dataclass
 from . import revolve
 from .actions import Advance, Backprop, Free, Record, Restore, Snapshot, simulate_chain
 
-PLAN_FORMS = "none, sqrt, every:K, revolve:C, budget:BYTES"
+PLAN_FORMS = "none, sqrt, every:K, revolve:C, budget:BYTES, selective, selective+PLAN"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -83,6 +91,22 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Selective:
+    """Attention cores recomputed in every recorded block; `blocks`: the chain plan beside it."""
+
+    blocks: object = NoCheckpoint()
+
+    def __str__(self) -> str:
+        return "selective" if isinstance(self.blocks, NoCheckpoint) else f"selective+{self.blocks}"
+
+
+def chain_plan(plan):
+    """The plan of the chain of blocks (a Selective plan's `blocks`; any other plan itself)."""
+    plan = parse_plan(plan)
+    return plan.blocks if isinstance(plan, Selective) else plan
+
+
+@dataclass(frozen=True)
 class LayerCost:
     """The memory model of one layer: A = input_bytes, R = own_bytes + (A if saves_input)."""
 
@@ -97,10 +121,18 @@ class LayerCost:
 
 def parse_plan(text) -> object:
     """'none' | 'sqrt' | 'every:K' | 'revolve:C' | 'budget:BYTES' -> a plan object (plans pass through)."""
-    if isinstance(text, (NoCheckpoint, Every, Sqrt, Revolve, Budget)):
+    if isinstance(text, (NoCheckpoint, Every, Sqrt, Revolve, Budget, Selective)):
         return text
     if not isinstance(text, str):
         raise TypeError(f"a checkpointing plan is a string ({PLAN_FORMS}), got {type(text).__name__}")
+    head, plus, rest = text.strip().partition("+")
+    if head.lower() == "selective":
+        if plus and not rest.strip():
+            raise ValueError(f"checkpointing plan {text!r}: name the chain plan after '+', as in selective+every:2")
+        blocks = parse_plan(rest) if plus else NoCheckpoint()
+        if isinstance(blocks, Selective):
+            raise ValueError(f"checkpointing plan {text!r}: selective appears twice")
+        return Selective(blocks)
     name, _, arg = text.strip().partition(":")
     name = name.lower()
     if name in ("none", "sqrt"):
@@ -157,7 +189,7 @@ def segment_actions(n: int, k: int) -> list:
 
 def actions_for(plan, n: int) -> list | None:
     """The schedule of a concrete plan for n layers; None for `none` (no checkpointing at all)."""
-    plan = parse_plan(plan)
+    plan = chain_plan(plan)
     if isinstance(plan, NoCheckpoint):
         return None
     if isinstance(plan, Every):

@@ -24,13 +24,14 @@ from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
 
 from .executor import _release_graph, run_schedule
-from .plans import Budget, LayerCost, NoCheckpoint, actions_for, parse_plan, resolve_budget
+from .plans import Budget, LayerCost, NoCheckpoint, actions_for, chain_plan, resolve_budget
 from .state import RngReplay, capture_rng, generators_of, parameters_of
 
 
 def checkpoint_sequential(layers, x: Tensor, plan="sqrt", *, preserve_rng_state: bool = True,
-                          layer_cost: LayerCost | None = None) -> Tensor:
-    """Run the chain `layers` on x under `plan` (a string such as "sqrt", "revolve:4", or a plan object)."""
+                          layer_cost: LayerCost | None = None, store=None) -> Tensor:
+    """Run the chain `layers` on x under `plan` (a string such as "sqrt", "revolve:4", or a plan object).
+    store: how the kept layer inputs are stored (executor.run_schedule); None keeps them whole."""
     layers = list(layers)
     if not layers:
         raise ValueError("checkpoint_sequential needs at least one layer")
@@ -43,12 +44,13 @@ def checkpoint_sequential(layers, x: Tensor, plan="sqrt", *, preserve_rng_state:
     actions = actions_for(plan, len(layers))
     layer_params = [parameters_of(layer) for layer in layers]
     generators = [generators_of(layer) for layer in layers]
-    return run_schedule(layers, x, actions, layer_params, generators, preserve_rng_state)
+    return run_schedule(layers, x, actions, layer_params, generators, preserve_rng_state, store)
 
 
 def resolve_plan(plan, layers, x: Tensor, layer_cost: LayerCost | None = None):
-    """The concrete plan (none, every:K, sqrt, revolve:C) for this chain; budgets are resolved here."""
-    plan = parse_plan(plan)
+    """The concrete plan (none, every:K, sqrt, revolve:C) for this chain; budgets are resolved here.
+    Of a selective plan, the chain plan (the attention cores are gpt.py's business)."""
+    plan = chain_plan(plan)
     if isinstance(plan, Budget):
         cost = layer_cost if layer_cost is not None else measure_layer_cost(layers[0], x)
         plan = resolve_budget(plan.bytes, len(layers), cost)

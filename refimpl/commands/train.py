@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "data parallel = world size / (pp x tp)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: layer norms and dropouts on sequence shards (all-gather / reduce-scatter)")
+    p.add_argument("--partition-activations", action="store_true",
+                   help="with --tp and --checkpoint: keep 1/tp of each checkpointed block input per rank (ZeRO-R Pa)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer states, 2 + gradients, 3 + parameters")
     p.add_argument("--prefetch", type=parse_bytes, default=0, metavar="BYTES",
@@ -75,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "another run's checkpoints: delete them before the first step")
     backend.add_argument(p)
     p.add_argument("--checkpoint", default="none", metavar="PLAN",
-                   help="activation checkpointing of the GPT's blocks: none, sqrt, every:K, revolve:C, budget:BYTES")
+                   help="activation checkpointing of the GPT's blocks: none, sqrt, every:K, revolve:C, budget:BYTES; "
+                        "selective (attention cores only), selective+PLAN")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
 
 

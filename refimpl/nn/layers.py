@@ -169,6 +169,9 @@ class CausalSelfAttention(Module):
         self.attn_dropout = Dropout(dropout, seed)
         self.resid_dropout = Dropout(dropout, seed + 1)
         self.mask = backend.asarray(np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1))  # True above the diagonal
+        # How the attention core runs: None, plainly; or a callable (core, q, k, v) -> y, which
+        # selective activation recomputation installs (refimpl.checkpointing.apply_to_gpt).
+        self.core_runner = None
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.qkv(x).split(3, axis=-1)  # (B, T, C) each (tensor parallel: (B, T, C/t), H/t heads)
@@ -177,10 +180,16 @@ class CausalSelfAttention(Module):
         q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
         k = k.reshape(B, T, H, D).transpose(0, 2, 3, 1)  # (B, H, D, T)
         v = v.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-        att = F.causal_softmax(q @ k, self.mask[:T, :T], 1.0 / math.sqrt(D))  # (B, H, T, T)
-        att = self.attn_dropout(att)
-        y = (att @ v).transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
+        y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.proj(y))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention core: softmax(q kᵀ/√D + mask), its dropout, times v -> (B, H, T, D). Its
+        saved tensors are the only ones that grow with T² (Korthikanti et al.'s "5as/h" term)."""
+        T, D = q.shape[2], q.shape[3]
+        att = F.causal_softmax(q @ k, self.mask[:T, :T], 1.0 / math.sqrt(D))  # (B, H, T, T)
+        return self.attn_dropout(att) @ v  # (B, H, T, D)
 
 
 class Block(Module):

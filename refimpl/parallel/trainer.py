@@ -87,14 +87,14 @@ class Trainer:
                  zero: int = 0, dp_mode: str = "bucketed", bucket_bytes: int = 1 << 20, prefetch: int = 0,
                  param_threshold: int = 0, precision: str = "float32", clip: float = 0.0, checkpoint=None,
                  budget: int | None = None, action_costs=None, trace: str | None = None, layers=(),
-                 tp: int = 1, sequence_parallel: bool = False) -> None:
+                 tp: int = 1, sequence_parallel: bool = False, partition_activations: bool = False) -> None:
         if not isinstance(pp, int) or pp < 1:
             raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"--tp must be a positive integer (tensor-parallel ranks), got {tp!r}")
-        if sequence_parallel and tp == 1:
-            raise ValueError("--sequence-parallel cuts the sequence over the tensor-parallel group; it needs --tp 2 "
-                             "or more")
+        from .tensor_parallel.gpt import check_options  # noqa: PLC0415
+
+        gpt = model.config if isinstance(model, GPT) else None
+        check_options(tp, sequence_parallel, partition_activations, checkpoint or "none",
+                      "gpt" if gpt else type(model).__name__, gpt.n_head if gpt else 1, gpt.seq_len if gpt else 0)
         if grad_accum <= 0:
             raise ValueError(f"--grad-accum must be positive, got {grad_accum}")
         pipelined = pp > 1 or schedule is not None
@@ -107,14 +107,12 @@ class Trainer:
         self.mesh = Mesh(world, pp=pp, tp=tp)  # the same clear error on every rank if pp · tp does not divide N
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.pp, self.dp, self.pipelined, self.clip, self.trace = pp, self.mesh.dp, pipelined, clip, trace
-        self.tp, self.tensor_parallel = tp, None
+        self.tp, self.tensor_parallel, store = tp, None, None
         if tp > 1:  # 1b. cut the model over the tp group (each rank keeps its slices), then into stages
-            if not isinstance(model, GPT):
-                raise ValueError(f"tensor parallelism (--tp {tp}) splits a GPT's layers; {type(model).__name__} has "
-                                 "none to split: use --model gpt, or --tp 1")
-            from .tensor_parallel import shard_gpt  # noqa: PLC0415
+            from .tensor_parallel import PartitionedActivations, shard_gpt  # noqa: PLC0415
 
             self.tensor_parallel = shard_gpt(model, self.mesh.tp_comm, sequence_parallel)
+            store = PartitionedActivations(self.mesh.tp_comm) if partition_activations else None
         # 2. the micro-batch loop: a schedule of M micro-batches (one stage: gradient accumulation)
         name = schedule or "1f1b"
         self.schedule = build(name, pp, (2 * pp if micro_batches is None else micro_batches) if pipelined
@@ -127,10 +125,16 @@ class Trainer:
         p, S, placement = self.mesh.pp_index, self.schedule.num_stages, self.schedule.placement
         why = "" if S == pp else f" ({name} with --pp {pp} cuts the model into {S} stages)"
         self.all_stages = split_model(model, S, checkpoint_plan=None if S == 1 else checkpoint, why=why)
-        if S == 1 and checkpoint not in (None, "none"):
-            from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415 - the whole model, as one process
+        if checkpoint not in (None, "none"):
+            from refimpl.checkpointing import apply_to_gpt, parse_plan, selective_recomputation  # noqa: PLC0415
 
-            apply_to_gpt(model, checkpoint)
+            if S == 1:  # the whole model, as one process
+                apply_to_gpt(model, checkpoint, store)
+            else:  # the stages run the chain plan; a selective plan also recomputes every attention core
+                if isinstance(model, GPT):
+                    selective_recomputation(model.blocks, str(parse_plan(checkpoint)).startswith("selective"))
+                for stage in self.all_stages.values():
+                    stage.checkpoint_store = store
         self.stages = {s: self.all_stages[s] for s in placement.stages_of(p)}
         self.executor = PipelineExecutor(self.schedule, p, self.mesh.pp_comm, self.stages, self.costs)
         # The lowest pipeline rank holding a stage counts it (global norm) and writes it (records, checkpoints).

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from refimpl import backend
-from refimpl.checkpointing.actions import simulate_chain
+from refimpl.checkpointing.actions import Restore, simulate_chain
 from refimpl.checkpointing.plans import actions_for
 from refimpl.commands.train import add_arguments, config_from_args
 from refimpl.console import emit_json
@@ -35,6 +35,11 @@ def recomputed_blocks(plan: str, blocks: int) -> int:
     """Block forwards recomputed per micro-batch by the plan's schedule (checkpointing/plans.py)."""
     actions = actions_for(plan, blocks)
     return 0 if actions is None else simulate_chain(actions, blocks).advances
+
+
+def restores(plan: str, blocks: int) -> int:
+    """Kept block inputs restored per micro-batch (each one all-gathered with partitioned activations)."""
+    return sum(isinstance(a, Restore) for a in actions_for(plan, blocks) or [])
 
 
 def check(world, flags: list) -> dict:
@@ -60,7 +65,8 @@ def check(world, flags: list) -> dict:
                       width=cfg.d_model, blocks=blocks, micro_batches=trainer.schedule.micro_batches,
                       has_embedding=any(s.is_first for s in stages), has_head=any(s.is_last for s in stages),
                       max_positions=cfg.seq_len,
-                      recomputed_blocks=recomputed_blocks(cfg.checkpoint, blocks))
+                      recomputed_blocks=recomputed_blocks(cfg.checkpoint, blocks),
+                      restored_inputs=restores(cfg.checkpoint, blocks) if cfg.partition_activations else 0)
     expected = bytes_per_step(shape, cfg.sequence_parallel, cfg.tp, np.dtype(cfg.dtype).itemsize)
     tp = trainer.tensor_parallel
     whole = {name: backend.to_host(a) for name, a in trainer.sharding.whole_parameters().items()

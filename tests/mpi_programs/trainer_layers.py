@@ -3,7 +3,8 @@
     mpiexec -n 4 python tests/mpi_programs/trainer_layers.py '[{"zero": 2}, ...]'
 
 For each case (TrainConfig fields), trains 2 steps without and with a layer that joins the mesh
-with a sub-communicator of its own (the world's ranks of equal parity) and, around every action
+with a sub-communicator of its own (the ranks that hold the same pipeline stages: they run the
+same list of actions, so their collectives match one for one) and, around every action
 of the loop, all-reduces a count over it. Prints one JSON list: per case, whether losses, last
 gradients and parameters are identical, the actions the layer wrapped, its all-reduces.
 """
@@ -23,7 +24,7 @@ class ToyLayer:
         self.comm, self.actions = None, 0
 
     def join(self, mesh) -> None:
-        self.comm = mesh.world.split(color=mesh.world.rank % 2)  # its own sub-communicator
+        self.comm = mesh.world.split(color=mesh.pp_index)  # its own sub-communicator: same stages
 
     @contextmanager
     def around(self, action, last):

@@ -137,6 +137,7 @@ class Stage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.layers = chain.layers[start:stop]
         self.checkpoint_plan = checkpoint_plan
+        self.checkpoint_store = None  # how kept layer inputs are stored (partitioned activations); None: whole
         self._resolved: dict = {}  # input (shape, dtype) -> concrete checkpointing plan (budget plans)
         modules = (chain.enter_modules if self.is_first else []) + self.layers + (
             chain.leave_modules if self.is_last else [])
@@ -171,7 +172,7 @@ class Stage:
 
     def _run_layers(self, x: Tensor) -> Tensor:
         plan = self.checkpoint_plan
-        if plan is None or str(plan) == "none":
+        if plan is None or str(plan) in ("none", "selective"):  # selective: inside the blocks (the trainer)
             for layer in self.layers:
                 x = layer(x)
             return x
@@ -182,7 +183,7 @@ class Stage:
         key = (x.shape, str(x.dtype))
         if key not in self._resolved:  # a budget plan measures one layer once per input shape
             self._resolved[key] = resolve_plan(plan, self.layers, x)
-        return checkpoint_sequential(self.layers, x, self._resolved[key])
+        return checkpoint_sequential(self.layers, x, self._resolved[key], store=self.checkpoint_store)
 
     def __repr__(self) -> str:
         ends = ("enter + " if self.is_first else "") + f"layers {self.start}..{self.stop - 1}" + (

@@ -114,17 +114,44 @@ class TensorParallelGPT:
         return out
 
 
+def check_options(tp: int, sequence_parallel: bool = False, partition_activations: bool = False,
+                  checkpoint="none", model: str = "gpt", n_head: int = 1, seq_len: int = 0) -> None:
+    """One clear ValueError for a tensor-parallel configuration that cannot run (the same on every rank)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be a positive integer (tensor-parallel ranks), got {tp}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel cuts the sequence over the tensor-parallel group; it needs --tp 2 "
+                         "or more")
+    if partition_activations:
+        from refimpl.checkpointing import chain_plan  # noqa: PLC0415 - only for Pa
+
+        if tp == 1:
+            raise ValueError("--partition-activations divides activation checkpoints over the tensor-parallel "
+                             "group; it needs --tp 2 or more")
+        if sequence_parallel:
+            raise ValueError("--partition-activations has nothing to divide with --sequence-parallel: each kept "
+                             "block input is already this rank's 1/t sequence shard; drop one of the two")
+        if str(chain_plan(checkpoint)) == "none":
+            raise ValueError(f"--partition-activations divides the kept block inputs of a checkpointing plan, and "
+                             f"--checkpoint {checkpoint} keeps none; use e.g. --checkpoint every:1")
+    if tp == 1:
+        return
+    if model != "gpt":
+        raise ValueError(f"--tp {tp} splits a GPT's layers over ranks; use it with --model gpt, or --tp 1")
+    if n_head % tp:
+        raise ValueError(f"--tp {tp} does not divide the GPT's {n_head} attention heads: use a --tp that divides "
+                         f"--n-head {n_head} ({', '.join(map(str, _divisors(n_head)))}), or --n-head "
+                         f"{n_head + tp - n_head % tp} with --tp {tp}")
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(f"--sequence-parallel cuts each sequence into --tp {tp} shards, but --seq-len {seq_len} "
+                         f"is not divisible by {tp}; use a multiple of {tp}")
+
+
 def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParallelGPT:
     """Cut `model` (built whole, from the single-process seed) in place over the group `comm`."""
     t, r = comm.size, comm.rank
     c = model.config
-    if c.n_head % t:
-        raise ValueError(f"--tp {t} does not divide the GPT's {c.n_head} attention heads (--n-head {c.n_head}): "
-                         f"use a --tp that divides it ({', '.join(map(str, _divisors(c.n_head)))}), or "
-                         f"--n-head {c.n_head + t - c.n_head % t} with --tp {t}")
-    if sequence_parallel and c.seq_len % t:
-        raise ValueError(f"--sequence-parallel cuts the sequence into --tp {t} shards, but the sequence length "
-                         f"{c.seq_len} is not divisible by {t}; use a --seq-len divisible by {t}")
+    check_options(t, sequence_parallel, n_head=c.n_head, seq_len=c.seq_len)
     tp = TensorParallelGPT(model, comm, sequence_parallel)
     tp.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # whole, single-process
 
@@ -184,4 +211,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["Split", "TensorParallelGPT", "shard_gpt", "padded"]
+__all__ = ["Split", "TensorParallelGPT", "shard_gpt", "padded", "check_options"]
