@@ -54,7 +54,7 @@ def exercises_of(path: Path) -> tuple[dict, list, dict]:
 def test_there_are_tutorials():
     names = [p.stem for p in TUTORIALS]
     for expected in ("01_autograd", "02_gpt", "03_collectives", "04_data_parallel", "05_zero", "06_checkpointing",
-                     "07_pipeline_schedules", "08_zero_bubble", "09_everything_together"):
+                     "07_pipeline_schedules", "08_zero_bubble", "09_everything_together", "10_tensor_parallel"):
         assert expected in names
 
 
@@ -149,6 +149,51 @@ def _gradient_group_descending(rank, dp, pp, schedule):
     return sorted(reference_gradient_group(rank, dp, pp, schedule), reverse=True)
 
 
+def _operators(f_forward_sums=False, f_backward_sums=True, f_backward_in_place=False, g_forward_sums=True,
+               g_forward_in_place=False, g_backward_sums=False):
+    """A conjugate_operators answer for tutorial 10, right by default, with the mistakes asked for."""
+    from refimpl.autograd import Function
+
+    def summed(comm, a, in_place=False):
+        out = a if in_place else a.copy()
+        comm.allreduce(out)
+        return out
+
+    class CopyToGroup(Function):  # f
+        def forward(self, x, comm):
+            self.comm = comm
+            return summed(comm, x) if f_forward_sums else x
+
+        def backward(self, grad, needs):
+            return (summed(self.comm, grad, f_backward_in_place) if f_backward_sums else grad), None
+
+    class ReduceFromGroup(Function):  # g
+        def forward(self, x, comm):
+            self.comm = comm
+            return summed(comm, x, g_forward_in_place) if g_forward_sums else x
+
+        def backward(self, grad, needs):
+            return (summed(self.comm, grad) if g_backward_sums else grad), None
+
+    return lambda: (CopyToGroup, ReduceFromGroup)
+
+
+def _mlp_slices_bias_cut(fc_weight, fc_bias, proj_weight, proj_bias, r, t):
+    n, m = fc_weight.shape[0] // t, proj_bias.shape[0] // t
+    return (fc_weight[r * n:(r + 1) * n], fc_bias[r * n:(r + 1) * n], proj_weight[:, r * n:(r + 1) * n],
+            proj_bias[r * m:(r + 1) * m])  # the row-parallel bias cut too
+
+
+def _mlp_slices_by_input(fc_weight, fc_bias, proj_weight, proj_bias, r, t):
+    n = fc_weight.shape[1] // t
+    return fc_weight[:, r * n:(r + 1) * n], fc_bias, proj_weight, proj_bias  # the paper's "columns", of w = Aᵀ
+
+
+def _qkv_contiguous(qkv_weight, qkv_bias, n_head, r, t):
+    n = qkv_weight.shape[0] // t
+    return qkv_weight[r * n:(r + 1) * n], qkv_bias[r * n:(r + 1) * n]
+
+
 def _wrong_one_f_one_b(pp, m):
     return [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)] for _ in range(pp)]  # GPipe's order
 
@@ -176,6 +221,21 @@ WRONG = [
      "must update exactly its own block"),
     ("composition", "check_gradient_group", lambda rank, dp, pp, schedule: [rank], "sums its gradients with"),
     ("composition", "check_gradient_group", _gradient_group_descending, "in increasing order"),
+    ("tensor_parallel", "check_conjugate_operators", _operators(f_forward_sums=True),
+     "f's forward returned 2 times its input"),
+    ("tensor_parallel", "check_conjugate_operators", _operators(f_backward_sums=False),
+     "f's backward returned the rank's own gradient unchanged"),
+    ("tensor_parallel", "check_conjugate_operators", _operators(f_backward_in_place=True),
+     "f's backward changed the gradient it was given in place"),
+    ("tensor_parallel", "check_conjugate_operators", _operators(g_forward_sums=False),
+     "g's forward returned the rank's own partial output"),
+    ("tensor_parallel", "check_conjugate_operators", _operators(g_forward_in_place=True),
+     "g's forward changed its input in place"),
+    ("tensor_parallel", "check_conjugate_operators", _operators(g_backward_sums=True),
+     "g's backward returned 2 times the gradient"),
+    ("tensor_parallel", "check_mlp_slices", _mlp_slices_by_input, "the output features are the ROWS of w"),
+    ("tensor_parallel", "check_mlp_slices", _mlp_slices_bias_cut, "proj_bias on rank 0 of 2 has shape (2,)"),
+    ("tensor_parallel", "check_qkv_slices", _qkv_contiguous, "A contiguous block of the fused weight mixes"),
 ]
 
 
