@@ -96,7 +96,7 @@ def _draw_tensor_parallel(flags: list, ranks: int, choose) -> int:
     """Draw --tp among the divisors of `ranks` up to 4 (tp 1 as likely as all others together) and,
     with tp > 1, --sequence-parallel; adds the flags (tp 4 needs 4 heads) and returns tp."""
     sizes = [t for t in (2, 4) if ranks % t == 0]
-    tp = choose("tp", [1] * len(sizes) + sizes)
+    tp = choose("tp", [1] * max(1, len(sizes)) + sizes)
     if tp > 1:
         flags[flags.index("--n-head") + 1] = str(max(2, tp))  # tp 4 needs 4 heads; seq-len 8 divides by each tp
         flags += ["--tp", tp]

@@ -187,6 +187,8 @@ HOST_BY_DESIGN = {
     "nn/models.py": ({"random.default_rng"}, "weights are drawn on the host: the same model on every backend"),
     "nn/functional.py": ({"frompyfunc"}, "erf on the NumPy backend (the CuPy branch uses cupyx)"),
     "nn/module.py": ({"asarray"}, "load_state_dict reads host arrays"),
+    "commands/tensor_parallel.py": ({"random.default_rng"}, "the measured block's input is drawn on the host, then "
+                                                            "moved with backend.asarray"),
     "parallel/tensor_parallel/gpt.py": ({"asarray", "concatenate", "moveaxis", "stack", "zeros"},
                                         "slices are cut from the host initialisation and put back together on "
                                         "the host (Split.shard / Split.whole: construction and verification)"),

@@ -25,6 +25,7 @@ import argparse
 
 import numpy as np
 
+from refimpl import backend
 from refimpl.console import emit_json, log
 
 TABLES = ("activations", "bytes", "parameters")
@@ -84,7 +85,7 @@ def measure_activations(args, world) -> list[dict]:
         model, _ = _model(args, world, sequence_parallel)
         selective_recomputation(model.blocks, selective)
         width = T // t if sequence_parallel else T
-        x = Tensor(np.random.default_rng(0).standard_normal((b, width, C)), requires_grad=True)
+        x = Tensor(backend.asarray(np.random.default_rng(0).standard_normal((b, width, C))), requires_grad=True)
         before = saved_tensors.live_bytes
         with batch_rows(0, b, b, 0):
             store = PartitionedActivations(world) if partition else None
