@@ -39,7 +39,9 @@ Python and the `mpiexec` next to it; any other exit status than the expected one
 docs/pipeline_schedules.md and docs/zero.md have their own generators
 (benchmarks/pipeline_schedule_docs.py and benchmarks/zero_docs.py, which format their blocks their
 own way), and this script runs them. The pictures (PICTURES below) are SVG files
-written by `python -m refimpl schedule ... --render svg`, which needs no matplotlib. Tutorial
+written by `python -m refimpl schedule ... --render svg`, or by a script's svg(NAME) (the
+tensor-parallel block of docs/tensor_parallel.md: benchmarks/tensor_parallel_pictures.py); none
+needs matplotlib. Tutorial
 pages are not written here: the site's build hook (docs/hooks.py) renders tutorials/*.py.
 
 With --check nothing is written; the exit status is 1 if anything is out of date
@@ -78,16 +80,20 @@ FIGURE = r"(?P<figure>\d+(?:\.\d+)?(?:e[-+]\d+)?)(?P<name> \([\w.]+\))?"
 
 # Pages whose generated blocks this script renders (the others are left to their own generators).
 PAGES = ["index.md", "tutorials.md", "cluster.md", "verify_your_algorithm.md", "pipeline_parallel.md",
-         "checkpointing.md"]
+         "checkpointing.md", "tensor_parallel.md"]
 DELEGATED = {"pipeline_schedules.md": ROOT / "benchmarks" / "pipeline_schedule_docs.py",
              "zero.md": ROOT / "benchmarks" / "zero_docs.py"}
 
-# docs/images/NAME.svg <- python -m refimpl schedule ARGS --render svg --out docs/images/NAME.svg
+# docs/images/NAME.svg <- python -m refimpl schedule ARGS --render svg --out docs/images/NAME.svg,
+# or, where the value is a script's path, that script's svg(NAME)
+TENSOR_PARALLEL_PICTURES = ROOT / "benchmarks" / "tensor_parallel_pictures.py"
 PICTURES = {
     "1f1b": "1f1b --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
     "zb1p": "zb1p --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
     "zbv": "zbv --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
     "dualpipe": "dualpipe --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
+    "tensor_parallel_block": TENSOR_PARALLEL_PICTURES,
+    "sequence_parallel_block": TENSOR_PARALLEL_PICTURES,
 }
 
 # ------------------------------------------------------------------------------------------------
@@ -275,7 +281,9 @@ def tutorial_table() -> str:
 
 
 def picture(name: str) -> str:
-    """The SVG text of docs/images/NAME.svg, rendered by the schedule command."""
+    """The SVG text of docs/images/NAME.svg, rendered by the schedule command or by a script's svg(NAME)."""
+    if isinstance(PICTURES[name], Path):
+        return runpy.run_path(str(PICTURES[name]))["svg"](name)
     import argparse as _argparse  # noqa: PLC0415
 
     from refimpl.commands import schedule as command  # noqa: PLC0415
