@@ -10,7 +10,7 @@ the estimate, its parts, the memory available and what to change. Everything is 
 arithmetic, so `--batch-size 1000000000000` is refused at once, not after a MemoryError or a
 NumPy overflow.
 
-The estimate, per rank (N ranks, dp data-parallel ranks = N/pp, g micro-batches per step, b the
+The estimate, per rank (N ranks, dp data-parallel ranks = N/(pp·tp), g micro-batches per step, b the
 micro-batch on this rank = ⌈B/(dp·g)⌉, or ⌈B/(dp·M)⌉ for a pipeline of M micro-batches):
 
   parameters+optimizer  the ZeRO paper's model states per rank (memory.model_state_bytes;
@@ -75,9 +75,9 @@ On the measured configurations (tests/test_fits.py) the activation estimate is 1
 saved-tensor peak per graph held (3.9 for the MLP): it includes what the graph holds that backward
 does not need. The whole estimate is 1.4 to 2.6 times the process's true peak as tracemalloc
 measures it (NumPy's and Python's allocations), never below it. It is an upper bound for refusing
-runs, not a formula to plan with: issue 16 (tensor parallelism) derives the exact activation
-formula per tensor-parallel rank, as Korthikanti et al. (arXiv 2205.05198, section 4) do for
-Megatron.
+runs, not a formula to plan with. Tensor parallelism is not modelled here: a tp rank is estimated
+as if it held the whole model and its activations (an upper bound; the exact per-rank formulas,
+derived like Korthikanti et al.'s for Megatron, are refimpl/parallel/tensor_parallel/formulas.py).
 
 Available memory, per host: the REFIMPL_MEMORY_LIMIT environment variable if set (a size:
 2GB, 512MiB; `off` skips the check), else the least of MemAvailable in /proc/meminfo and the
@@ -294,7 +294,7 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
     p, g, k = bytes_per_parameter(cfg.dtype if cfg.dtype in ("mixed", "float64") else "float32", cfg.optimizer)
     state = 4 if mixed else p  # bytes of an optimizer-state element
     pipeline = cfg.pp > 1 or cfg.schedule is not None
-    dp = max(1, world_size // cfg.pp) if pipeline else world_size
+    dp = max(1, world_size // (cfg.pp * cfg.tp))  # the data-parallel group: it splits the batch, ZeRO shards over it
     masks = cfg.n_layer * seq * seq if cfg.model == "gpt" else 0  # one (s, s) bool causal mask per block
     padded = psi + (world_size - 1) * sum(c for _, c in tensors)  # ≤ N−1 elements per flat buffer
     # a bucket or flat group (data_parallel.assign_buckets), and the most elements one optimizer update touches
@@ -326,7 +326,7 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
         parts["buffers"] = 2 * group + 5 * state * min(update, psi_rank) + masks
         parts["data"] = SCHEDULE_ENTRY_BYTES * stages * micro_batches
     else:
-        stage, n = cfg.zero, world_size
+        stage, n = cfg.zero, dp
         if stage or mixed:  # a ZeRO strategy (mixed precision needs its master weights)
             persistent = count((m, c) for m, c in tensors if m < cfg.param_threshold) if stage == 3 else 0
             parts["parameters+optimizer"] = model_state_bytes(stage, _round_up(padded, n), n, p, g, k,

@@ -372,6 +372,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     model = build_model(cfg, task)
     if world is not None:
         check_same_run(world, cfg, task, model)  # the same flags, data and model on every rank
+    n_params = model.num_parameters()  # the whole model's (tensor parallelism then keeps slices)
     trainer = make_trainer(cfg, model, world)
     start_step = 0
     if cfg.resume or cfg.save_dir:  # sharded checkpoints (refimpl/saved_runs/sharded.py)
@@ -423,7 +424,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         # checkpoint): 1 without checkpointing, more with recomputation
         "forward_calls_per_layer": (block_calls.total / (cfg.n_layer * (cfg.steps - start_step) * cfg.grad_accum)
                                     if count_blocks else None),
-        "n_params": model.num_parameters(),
+        "n_params": n_params,
         "world_size": trainer.world_size,
         "config": asdict(cfg),
     }
