@@ -149,10 +149,16 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} must be a finite number >= 0, got {value}; leave it out for the dtype's "
                              f"default tolerance")
+    if mixed and cfg.tp > 1:
+        raise ValueError("verify --dtype mixed bounds only float16 rounding: it assumes each piece of the batch is "
+                         "computed with the reference's float32 arithmetic, and tensor parallelism changes it (sliced "
+                         "GEMMs, partial sums over ranks: float32 noise in gradients that are exactly zero, such as "
+                         "the key bias', which AdamW turns into up to 2·lr); verify --tp in float64")
+    dp = world.size // (cfg.pp * cfg.tp)
     if cfg.pp > 1 or cfg.schedule is not None:  # the batch's pieces: dp replicas x M pipeline micro-batches
-        pieces = (world.size // cfg.pp, cfg.micro_batches or 2 * cfg.pp)
+        pieces = (dp, cfg.micro_batches or 2 * cfg.pp)
     else:
-        pieces = (world.size, cfg.grad_accum)
+        pieces = (dp, cfg.grad_accum)
     tol = mixed_tolerance(*pieces) if mixed else None
     if mixed and (rtol is not None or atol is not None):
         raise ValueError("--rtol and --atol set float32/float64 tolerances; mixed precision's follow from float16 "

@@ -174,6 +174,13 @@ def test_selective_recomputation_gives_bitwise_the_same_gradients_with_less_save
     assert peaks["selective+every:1"] < peaks["selective"] < peaks["none"]
 
 
+def test_verify_refuses_mixed_precision_with_tensor_parallelism_saying_why(capsys):
+    from refimpl import cli
+
+    assert cli.main(["verify", "--tp", "2", "--dtype", "mixed", "--steps", "1"]) == 2
+    assert "verify --dtype mixed bounds only float16 rounding" in capsys.readouterr().err
+
+
 ERRORS = [
     (["--tp", "3", "--n-head", "3", "--d-model", "12"], "mesh: pp=1 x tp=3 does not divide the world size 4; launch a multiple of 3 ranks"),
     (["--tp", "2", "--n-head", "3", "--d-model", "6"],
