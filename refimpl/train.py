@@ -17,6 +17,7 @@ runs from this module too.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +30,7 @@ from refimpl.console import Progress
 from refimpl.data import SortTask, SpiralsTask, TextTask, accuracy
 from refimpl.memory import memory_by_rank, track_replicated
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
+from refimpl.nn.experts import add_load, describe_load, take_load
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
 from refimpl.optim import OPTIMIZERS, clip_grad_norm_, scale_to_max_norm_, squared_norm
@@ -85,6 +87,12 @@ class TrainConfig:
     tp: int = 1
     sequence_parallel: bool = False
     partition_activations: bool = False
+    # mixture of experts (refimpl/nn/experts.py; docs/experts.md)
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float | None = None
+    aux_coef: float = 0.01
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -107,6 +115,7 @@ class TrainConfig:
         if self.pp < 1 or (self.micro_batches is not None and self.micro_batches < 1):
             raise ValueError(f"--pp and --micro-batches must be positive, got {self.pp} and {self.micro_batches}")
         self.check_tensor_parallel()
+        self.check_experts()
         if self.checkpoint != "none":
             from refimpl.checkpointing import parse_plan  # noqa: PLC0415
 
@@ -124,6 +133,31 @@ class TrainConfig:
             backend.check_dtype(self.dtype)
         if self.dtype == "float16":
             raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
+
+    def check_experts(self) -> None:
+        """--experts, --top-k, --moe-every, --capacity-factor and --aux-coef: one line each."""
+        if self.experts == 0:
+            return
+        if self.experts < 0:
+            raise ValueError(f"--experts must be >= 0 (0: the dense MLP), got {self.experts}")
+        if self.model != "gpt":
+            raise ValueError("--experts replaces the GPT blocks' MLP by a mixture of experts; use it with --model gpt")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"--top-k {self.top_k} must be between 1 and --experts {self.experts} (each token chooses "
+                             "k of the experts)")
+        if self.moe_every < 1:
+            raise ValueError(f"--moe-every must be >= 1 (every n-th block gets the experts), got {self.moe_every}")
+        if self.capacity_factor is not None and not (math.isfinite(self.capacity_factor) and self.capacity_factor > 0):
+            raise ValueError(f"--capacity-factor must be a positive number (tokens per expert = factor x K x T / E), "
+                             f"got {self.capacity_factor}; leave it out for dropless routing")
+        if not (math.isfinite(self.aux_coef) and self.aux_coef >= 0):
+            raise ValueError(f"--aux-coef must be a finite number >= 0, got {self.aux_coef}; the paper's is 0.01")
+        if self.tp > 1:
+            raise ValueError("--experts with --tp is not supported yet: the experts are not split over the "
+                             "tensor-parallel group; use --tp 1")
+        if self.dtype == "mixed":
+            raise ValueError("--experts with --dtype mixed is not supported yet: the load-balancing loss's gradient "
+                             "is not multiplied by the loss scale; use float32 or float64")
 
     def check_tensor_parallel(self) -> None:
         """--tp, --sequence-parallel and --partition-activations against the model (the world size is
@@ -178,7 +212,9 @@ def build_model(cfg: TrainConfig, task):
         sizes = [task.n_features] + [cfg.d_model] * cfg.n_layer + [task.n_classes]
         return MLPClassifier(sizes, seed=cfg.seed, activation="tanh", dtype=model_dtype(cfg))
     config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                       d_model=cfg.d_model, dropout=cfg.dropout, dtype=model_dtype(cfg))
+                       d_model=cfg.d_model, dropout=cfg.dropout, dtype=model_dtype(cfg), n_experts=cfg.experts,
+                       top_k=cfg.top_k, moe_every=cfg.moe_every, capacity_factor=cfg.capacity_factor,
+                       aux_coef=cfg.aux_coef)
     return GPT(config, seed=cfg.seed)
 
 
@@ -388,6 +424,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     examples = tokens = 0
     losses = []
     count_blocks = cfg.model == "gpt" and cfg.pp == 1 and cfg.schedule is None
+    expert_load: dict = {}  # MoE layer -> stats of this rank's micro-batches, summed over the steps (nn/experts.py)
     with count_forward_calls(model.blocks if count_blocks else []) as block_calls:
         start = time.perf_counter()
         for step in range(start_step, cfg.steps):
@@ -397,6 +434,8 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
             watchdog.progress()
             peak_activation_bytes = max(peak_activation_bytes, saved_tensors.peak_bytes)
             losses.append(loss)
+            if cfg.experts:
+                expert_load = add_load(expert_load, take_load(model))
             examples += len(x)
             tokens += x.size if cfg.model == "gpt" else 0
             bar.update(step + 1, loss=loss)
@@ -429,6 +468,9 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
         "config": asdict(cfg),
     }
     summary.update(trainer.report())
+    if cfg.experts:  # per MoE layer: tokens per expert over the run, drops, the balance loss
+        per_rank = [expert_load] if world is None else world.allgather_object(expert_load)
+        summary["experts"] = describe_load(functools.reduce(add_load, per_rank, {}), cfg.steps - start_step)
     summary["backend"] = backend.name()
     if world is not None:
         summary["bytes_sent"] = world.counters_by_rank()  # per rank, by kind of call

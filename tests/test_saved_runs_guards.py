@@ -71,8 +71,9 @@ def saved(tmp_path):
 def test_the_fingerprint_holds_what_defines_a_run_and_nothing_else():
     fields = fingerprint.of(TrainConfig(**BASE))["fields"]
     # A new TrainConfig field lands here unless it is listed in fingerprint.MAY_CHANGE: decide which.
-    assert sorted(fields) == ["batch_size", "clip", "d_model", "data", "dropout", "dtype", "lr", "model", "n_head",
-                              "n_layer", "optimizer", "seed", "seq_len", "weight_decay"]
+    assert sorted(fields) == ["aux_coef", "batch_size", "capacity_factor", "clip", "d_model", "data", "dropout", "dtype",
+                              "experts", "lr", "model", "moe_every", "n_head", "n_layer", "optimizer", "seed",
+                              "seq_len", "top_k", "weight_decay"]
     assert not {"steps", "save_every", "save_dir", "resume", "zero", "timeout", "grad_accum"} & set(fields)
     a, b = fingerprint.of(TrainConfig(**BASE)), fingerprint.of(TrainConfig(**{**BASE, "steps": 99, "zero": 3}))
     assert a == b and len(a["sha256"]) == 64

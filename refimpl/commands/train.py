@@ -60,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tp: layer norms and dropouts on sequence shards (all-gather / reduce-scatter)")
     p.add_argument("--partition-activations", action="store_true",
                    help="with --tp and --checkpoint: keep 1/tp of each checkpointed block input per rank (ZeRO-R Pa)")
+    p.add_argument("--experts", type=int, default=0, metavar="E",
+                   help="mixture of experts: E expert MLPs per MoE block (default 0: the dense MLP)")
+    p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts chosen per token (default 2)")
+    p.add_argument("--moe-every", type=int, default=1, metavar="N", help="every N-th block gets the experts (default 1)")
+    p.add_argument("--capacity-factor", type=float, default=None, metavar="C",
+                   help="at most ceil(C x K x T / E) tokens per expert and sequence, later ones dropped (default: dropless)")
+    p.add_argument("--aux-coef", type=float, default=0.01, metavar="A",
+                   help="weight of the load-balancing loss (Switch Transformer's alpha, default 0.01)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
                    help="ZeRO stage: 0 data parallel, 1 shard optimizer states, 2 + gradients, 3 + parameters")
     p.add_argument("--prefetch", type=parse_bytes, default=0, metavar="BYTES",

@@ -196,13 +196,19 @@ class Block(Module):
     """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
     def __init__(self, d_model: int, n_head: int, seq_len: int, rng: np.random.Generator,
-                 dropout: float = 0.0, n_layer: int = 1, dtype="float64", seed: int = 0) -> None:
+                 dropout: float = 0.0, n_layer: int = 1, dtype="float64", seed: int = 0, experts=None) -> None:
         super().__init__()
         proj_std = 0.02 / math.sqrt(2 * n_layer)  # GPT-2's scaled init of residual projections
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_head, seq_len, rng, dropout, proj_std, dtype, seed)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
-        self.mlp = MLP([d_model, 4 * d_model, d_model], rng, "gelu", std=0.02, last_std=proj_std, dtype=dtype)
+        if experts is None:
+            self.mlp = MLP([d_model, 4 * d_model, d_model], rng, "gelu", std=0.02, last_std=proj_std, dtype=dtype)
+        else:  # a mixture of experts in place of the MLP (experts: a GPTConfig with n_experts > 0)
+            from .experts import MoE  # noqa: PLC0415 - experts.py imports this module
+
+            self.mlp = MoE(d_model, experts.n_experts, experts.top_k, rng, capacity_factor=experts.capacity_factor,
+                           aux_coef=experts.aux_coef, last_std=proj_std, dtype=dtype)
         self.dropout = Dropout(dropout, seed + 2)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -35,14 +35,23 @@ class GPTConfig:
     dropout: float = 0.0
     tie_weights: bool = False
     dtype: str = "float32"
+    # mixture of experts (nn/experts.py): 0 experts is the dense MLP in every block
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1  # blocks i with i % moe_every == moe_every - 1 get the experts
+    capacity_factor: float | None = None  # None: dropless
+    aux_coef: float = 0.01
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "moe_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPT {name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} must be divisible by n_head {self.n_head}")
         backend.check_dtype(self.dtype)
+
+    def has_experts(self, block: int) -> bool:
+        return self.n_experts > 0 and block % self.moe_every == self.moe_every - 1
 
 
 class GPT(Module):
@@ -55,7 +64,8 @@ class GPT(Module):
         self.wpe = Embedding(c.seq_len, c.d_model, rng, dtype=dt)
         self.drop = Dropout(c.dropout, seed=seed * 1000 + 1)
         self.blocks = ModuleList(
-            Block(c.d_model, c.n_head, c.seq_len, rng, c.dropout, c.n_layer, dt, seed=seed * 1000 + 10 * (i + 1))
+            Block(c.d_model, c.n_head, c.seq_len, rng, c.dropout, c.n_layer, dt, seed=seed * 1000 + 10 * (i + 1),
+                  experts=c if c.has_experts(i) else None)
             for i in range(c.n_layer))
         self.ln_f = LayerNorm(c.d_model, dtype=dt)
         if not c.tie_weights:
