@@ -183,7 +183,7 @@ class MemoryLedger:
             f"{need} in all, over the budget of {cap} (--mem-budget); held: {held or 'nothing'}")
 
 
-def track_replicated(params, optimizer, budget: int | None = None, rank: int = 0) -> MemoryLedger:
+def track_replicated(params, optimizer, budget: int | None = None, rank: int = 0, ledger=None) -> MemoryLedger:
     """A ledger for a trainer that keeps everything whole on every rank (single process or DDP).
 
     The caller checks the activations against the budget after each forward (ledger.check_activations).
@@ -194,7 +194,7 @@ def track_replicated(params, optimizer, budget: int | None = None, rank: int = 0
     """
     from refimpl import backend  # noqa: PLC0415
 
-    ledger = MemoryLedger(budget, rank)
+    ledger = MemoryLedger(budget, rank) if ledger is None else ledger  # (a ledger shared with another strategy)
     xp = backend.xp()
     seen: set[int] = set()
 

@@ -7,8 +7,8 @@ dropout and activation checkpointing that really recomputes (at least 4 blocks; 
 revolve), the MLP, and, where the world size allows, every pipeline schedule on a dp × pp mesh
 (with every ZeRO stage and checkpointing inside the stages), and tensor parallelism (tp 2 or 4,
 with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
-stage, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor) without
-tensor parallelism. All in float64 with small models,
+stage, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
+parallelism over 1, 2 or 4 ranks) without tensor parallelism. All in float64 with small models,
 2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py).
 
 `draw_flags(world_size, choose)` takes the chooser as an argument: `verify --sweep` passes one
@@ -62,7 +62,7 @@ def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
         n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer
         tp = _draw_tensor_parallel(flags, world_size // pp, choose) if model == "gpt" else 1
         if model == "gpt" and tp == 1:
-            _draw_experts(flags, choose)
+            _draw_experts(flags, world_size // pp, choose)
         dp = world_size // (pp * tp)
         zero = choose("zero", [0, 1, 2, 3])
         flags += ["--schedule", name, "--pp", pp, "--micro-batches", m, "--n-layer", max(n_layer, 1),
@@ -76,7 +76,7 @@ def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
             flags += ["--checkpoint", choose("stage_checkpoint", ["none", "every:1", "sqrt"])]
     else:
         if model == "gpt" and pipeline and _draw_tensor_parallel(flags, world_size, choose) == 1:
-            _draw_experts(flags, choose)
+            _draw_experts(flags, world_size, choose)
         zero = choose("zero", [0, 1, 2, 3])
         accum = choose("grad_accum", [1, 2, 3])
         flags += ["--zero", zero, "--grad-accum", accum,
@@ -108,12 +108,14 @@ def _draw_tensor_parallel(flags: list, ranks: int, choose) -> int:
     return tp
 
 
-def _draw_experts(flags: list, choose) -> None:
+def _draw_experts(flags: list, dp: int, choose) -> None:
     """Draw a mixture of experts (E 2, 4 or 8; K 1 or 2; every block or every other one; dropless or
-    a capacity factor of 1) for one GPT in two: --experts 0 is as likely as all the others together."""
+    a capacity factor of 1; expert parallelism over P ranks, P dividing E and the data-parallel
+    degree dp) for one GPT in two: --experts 0 is as likely as all the others together."""
     experts = choose("experts", [0, 0, 0, 2, 4, 8])
     if experts:
-        flags += ["--experts", experts, "--top-k", choose("top_k", [1, 2]), "--moe-every", choose("moe_every", [1, 2])]
+        flags += ["--experts", experts, "--top-k", choose("top_k", [1, 2]), "--moe-every", choose("moe_every", [1, 2]),
+                  "--ep", choose("ep", [p for p in (1, 2, 4) if dp % p == 0 and experts % p == 0])]
         if choose("capacity", [False, True]):
             flags += ["--capacity-factor", "1.0"]
 

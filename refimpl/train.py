@@ -93,6 +93,7 @@ class TrainConfig:
     moe_every: int = 1
     capacity_factor: float | None = None
     aux_coef: float = 0.01
+    ep: int = 1  # expert-parallel ranks (refimpl/parallel/experts.py), inside the data-parallel group
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -135,9 +136,20 @@ class TrainConfig:
             raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
 
     def check_experts(self) -> None:
-        """--experts, --top-k, --moe-every, --capacity-factor and --aux-coef: one line each."""
+        """--experts, --top-k, --moe-every, --capacity-factor, --aux-coef and --ep: one line each."""
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"--ep must be a positive integer (expert-parallel ranks), got {self.ep}")
+        if self.ep > 1 and self.experts == 0:
+            raise ValueError(f"--ep {self.ep} splits the experts of a mixture of experts; add --experts E (a multiple "
+                             f"of {self.ep}), or use --ep 1")
         if self.experts == 0:
             return
+        if self.experts % self.ep:
+            raise ValueError(f"--ep {self.ep} does not divide --experts {self.experts}: each expert-parallel rank holds "
+                             f"experts / ep of them; use an --ep that divides {self.experts}")
+        if self.ep > 1 and (self.save_dir or self.resume):
+            raise ValueError("sharded checkpoints (--save-dir, --resume) of expert-parallel runs are not written yet; "
+                             "use --ep 1 to save or resume")
         if self.experts < 0:
             raise ValueError(f"--experts must be >= 0 (0: the dense MLP), got {self.experts}")
         if self.model != "gpt":
@@ -352,7 +364,7 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
     process runs the distributed code path. Pipelines, ZeRO and mixed precision always take it
     (in one process over a one-rank world).
     """
-    layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed" or cfg.tp > 1
+    layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed" or cfg.tp > 1 or cfg.ep > 1
     if not layered and (world is None or (distributed is None and world.size == 1) or distributed is False):
         if cfg.checkpoint != "none":
             from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415
@@ -367,7 +379,7 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
                    prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
                    checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace,
                    tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
-                   partition_activations=cfg.partition_activations)
+                   partition_activations=cfg.partition_activations, ep=cfg.ep)
 
 
 def get_world(cfg: TrainConfig):

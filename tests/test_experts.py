@@ -203,3 +203,91 @@ def test_every_expert_count_and_k_with_and_without_pipelines_equals_single_proce
 
     results = verify_many(4, _pinned_experts(), tmp_path_factory)
     assert len(results) == 12 and all(r["ok"] for r in results)
+
+
+def _expert_parallel_configs():
+    """Every valid (E, K, P) at 4 ranks: without a pipeline (dp 4: P 1, 2, 4 where P divides E) and
+    in a 2-stage pipeline (dp 2: P 1, 2), ZeRO stages and schedules varied along the list."""
+    from refimpl.sweep import SMALL
+
+    configs, i = [], 0
+    for E in (2, 4, 8):
+        for K in (1, 2):
+            for P in (1, 2, 4):
+                if E % P:
+                    continue
+                common = f"--model gpt --experts {E} --top-k {K} --ep {P} --clip 0.05"
+                configs.append(SMALL + f"{common} --n-layer 2 --batch-size 8 --zero {i % 4} --dropout 0.1".split())
+                if P <= 2:
+                    schedule = ("1f1b", "zb1p", "dualpipe", "gpipe")[i % 4]
+                    configs.append(SMALL + (f"{common} --pp 2 --schedule {schedule} --micro-batches 4 --n-layer 2 "
+                                            f"--batch-size 16 --zero {(i + 1) % 4}").split())
+                i += 1
+    return configs
+
+
+@pytest.mark.mpi
+def test_every_expert_parallel_combination_equals_single_process_training(tmp_path_factory):
+    from test_verify_drawn import verify_many
+
+    configs = _expert_parallel_configs()
+    results = verify_many(4, configs, tmp_path_factory)
+    assert len(results) == len(configs) == 28 and all(r["ok"] for r in results)
+
+
+EP_BYTES = [["--model", "gpt", "--n-layer", "2", "--d-model", "8", "--n-head", "2", "--seq-len", "8", "--batch-size", "8",
+             *f.split()] for f in (
+    "--experts 4 --ep 2 --top-k 2 --dtype float64",
+    "--experts 8 --ep 4 --top-k 1 --dtype float32 --grad-accum 2",
+    "--experts 4 --ep 2 --top-k 2 --dtype float64 --n-layer 3 --checkpoint every:1 --capacity-factor 1.0",
+    "--experts 4 --ep 2 --top-k 2 --dtype float64 --pp 2 --schedule zb1p --micro-batches 2 --collectives ring",
+)]
+
+
+@pytest.mark.mpi
+def test_all_to_all_bytes_equal_the_routing_histograms_formula(tmp_path):
+    """Counts (E − E/P int64) and 4·C elements per remote (token, expert) assignment, forward and
+    backward (forward only for a checkpoint's first, gradient-free forward), exactly, on every rank."""
+    from mpi_util import PROGRAMS, last_json, run_mpi
+
+    path = tmp_path / "configs.json"
+    path.write_text(__import__("json").dumps(EP_BYTES))
+    results = last_json(run_mpi(4, [PROGRAMS / "expert_checks.py", path], timeout=300))
+    assert len(results) == len(EP_BYTES)
+    for r in results:
+        assert r["measured"] == r["expected"], r
+        assert all(m["alltoallv"] > 0 for m in r["measured"]) and all(c > 0 for c in r["calls"]), r
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ep", [2, 4])
+def test_every_token_to_one_expert_still_equals_one_process_and_all_travel_to_its_rank(ep):
+    from mpi_util import PROGRAMS, last_json, run_mpi
+
+    r = last_json(run_mpi(4, [PROGRAMS / "expert_checks.py", "collapse", str(ep)], timeout=300))
+    assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-12)
+    assert r["worst"] <= 1.0  # |diff| <= atol + rtol·|reference| (1e-12, 1e-10) for every gradient element
+    for rank_layers in r["sent_per_rank"]:
+        for sent in rank_layers:
+            assert sent[0] == 16 and sum(sent) == 16  # 2 sequences of 8 tokens, K = 1: all to expert 0's rank
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(ep=2), "--ep 2 splits the experts of a mixture of experts; add --experts E"),
+    (dict(experts=6, ep=4), "--ep 4 does not divide --experts 6"),
+    (dict(experts=4, ep=0), "--ep must be a positive integer"),
+    (dict(experts=4, ep=2, save_dir="x"), "sharded checkpoints (--save-dir, --resume) of expert-parallel runs"),
+])
+def test_bad_expert_parallel_flags_are_one_line_errors(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**fields).check()
+
+
+@pytest.mark.mpi
+def test_an_ep_that_does_not_divide_the_data_parallel_degree_is_refused_on_every_rank():
+    from mpi_util import run_mpi
+
+    done = run_mpi(4, ["-m", "refimpl", "train", "--experts", "4", "--ep", "4", "--pp", "2", "--steps", "1"],
+                   timeout=120)
+    assert done.returncode != 0 and "--ep 4 does not divide the data-parallel degree 2" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-every", type=int, default=1, metavar="N", help="every N-th block gets the experts (default 1)")
     p.add_argument("--capacity-factor", type=float, default=None, metavar="C",
                    help="at most ceil(C x K x T / E) tokens per expert and sequence, later ones dropped (default: dropless)")
+    p.add_argument("--ep", type=int, default=1, metavar="P",
+                   help="expert-parallel ranks: each holds experts/P of them, tokens travel by all-to-all; P divides "
+                        "the data-parallel degree (default 1)")
     p.add_argument("--aux-coef", type=float, default=0.01, metavar="A",
                    help="weight of the load-balancing loss (Switch Transformer's alpha, default 0.01)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",

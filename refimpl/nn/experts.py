@@ -142,16 +142,17 @@ class MoE(Module):
             self._record(counts, int(chosen.size - len(kept)), aux)
         return AddAuxiliaryLoss.apply(y.reshape(B, T, C), aux)
 
-    def run_experts(self, x_sorted: Tensor, counts) -> Tensor:
-        """Expert e on rows counts[0] + ... + counts[e-1] onwards of x_sorted (n, C) -> (n, C).
+    def run_experts(self, x_sorted: Tensor, counts, first: int = 0) -> Tensor:
+        """Expert first + i on rows counts[0] + ... + counts[i-1] onwards of x_sorted (n, C) -> (n, C)
+        (expert parallelism runs its E/P experts, from `first`, on the rows that arrived).
 
         Every expert runs, an expert that got no token on zero rows: its parameters then get a
         (zero) gradient in every backward, on every rank. Data parallelism's buckets and ZeRO's flat
         groups start a reduction when all their gradients have arrived; an expert used on one rank
         and not on another would make the ranks start their reductions in different orders."""
         outputs, start = [], 0
-        for e, n in enumerate(counts):
-            outputs.append(self.experts[e](x_sorted[start:start + int(n)]))  # (count_e, C)
+        for i, n in enumerate(counts):
+            outputs.append(self.experts[first + i](x_sorted[start:start + int(n)]))  # (count_e, C)
             start += int(n)
         return ops.concatenate(outputs, axis=0)
 

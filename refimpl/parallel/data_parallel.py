@@ -55,7 +55,7 @@ class DataParallel:
 
     def __init__(self, parts: dict, make_optimizer, comm, mode: str = "bucketed", bucket_bytes: int = 1 << 20,
                  clip: float = 0.0, budget: int | None = None, rank: int | None = None, norm_total=None,
-                 uncounted=()) -> None:
+                 uncounted=(), ledger=None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown data-parallel mode {mode!r}; choose one of {', '.join(MODES)}")
         if bucket_bytes <= 0:
@@ -68,7 +68,7 @@ class DataParallel:
         self.buckets = {s: _Buckets(parts[s].parameters(), comm, bucket_bytes) for s in sorted(parts)} \
             if mode == "bucketed" else {}
         self.optimizer = make_optimizer(self.params)
-        self.ledger = track_replicated(self.params, self.optimizer, budget, comm.rank if rank is None else rank)
+        self.ledger = track_replicated(self.params, self.optimizer, budget, comm.rank if rank is None else rank, ledger)
 
     @contextmanager
     def around(self, action, last: bool):
@@ -90,12 +90,18 @@ class DataParallel:
     def finish(self) -> list:
         return [p.grad for p in self.params]  # whole and summed: the same on every rank
 
-    def optimizer_step(self, grads: list):
+    def squared_norm(self, grads: list) -> float:
+        """‖g‖² of this group's gradients (whole and identical on every rank: no communication)."""
+        return squared_norm([g for (name, _), g in zip(self.named, grads) if name not in self.uncounted])
+
+    def optimizer_step(self, grads: list, total: float | None = None):
+        """Clip (by `total`, the global squared norm, if the caller has it) and step."""
         norm = None
-        if self.clip > 0:  # gradients are whole and identical on every rank: no communication here
-            total = squared_norm([g for (name, _), g in zip(self.named, grads) if name not in self.uncounted])
-            if self.norm_total is not None:  # the other pipeline stages and tensor-parallel ranks
-                total = self.norm_total(total)
+        if self.clip > 0:
+            if total is None:
+                total = self.squared_norm(grads)
+                if self.norm_total is not None:  # the other pipeline stages and tensor-parallel ranks
+                    total = self.norm_total(total)
             norm = total ** 0.5
             scale_to_max_norm_(grads, total, self.clip)
         self.optimizer.step()

@@ -23,6 +23,11 @@ fastest, then data parallel, pipeline slowest):
     and their gradients travel here, point to point, every micro-batch.
   * mp_comm: the model-parallel group, the tp · pp ranks that together hold one replica of the
     model (same d): the global gradient norm and the mixed-precision overflow vote add up here.
+  * ep_comm, edp_comm (expert parallelism, ep > 1): the data-parallel group is cut into dp/ep
+    expert-parallel groups of ep neighbouring replicas, d = e_d · ep + j. ep_comm: the ep replicas
+    of one group (same p, t, e_d; its rank is j): tokens travel to their experts here, by
+    all-to-all (experts.py). edp_comm: the replicas holding the same experts (same p, t, j; its
+    rank is e_d): the experts' gradients are summed here, the other parameters' over dp_comm.
 
 With tp = 1 this is Megatron-LM's dp x pp order too: replica d of stage p is rank p · dp + d, so
 the ranks of one pipeline are dp apart. (Later Megatron versions insert context and expert
@@ -37,9 +42,9 @@ AXES = ("pp", "dp", "tp")  # slowest to fastest
 class Mesh:
     """The pp x dp x tp grid over `world`. tp and pp default to 1; dp, if left out, is what remains."""
 
-    def __init__(self, world, dp: int | None = None, pp: int | None = None, tp: int | None = None):
+    def __init__(self, world, dp: int | None = None, pp: int | None = None, tp: int | None = None, ep: int = 1):
         size = world.size
-        for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+        for name, value in (("dp", dp), ("pp", pp), ("tp", tp), ("ep", ep)):
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"mesh: {name} must be a positive integer, not {value!r}")
         tp = 1 if tp is None else tp
@@ -59,7 +64,11 @@ class Mesh:
         if dp * pp * tp != size:
             raise ValueError(f"mesh: {_product(dp=dp, tp=tp, pp=pp)} needs {dp * pp * tp} ranks, but the world has "
                              f"{size}; launch mpiexec -n {dp * pp * tp}, or choose dp x tp x pp = {size}")
-        self.world, self.dp, self.pp, self.tp = world, dp, pp, tp
+        if dp % ep:
+            raise ValueError(f"mesh: --ep {ep} does not divide the data-parallel degree {dp} (world size {size} / "
+                             f"(pp x tp) = {dp}): expert parallelism splits the data-parallel group; choose an --ep "
+                             f"that divides {dp}")
+        self.world, self.dp, self.pp, self.tp, self.ep = world, dp, pp, tp, ep
         self.dp_index, self.pp_index, self.tp_index = self.coords_of(world.rank)  # this rank's (d, p, t)
         d, p, t = self.dp_index, self.pp_index, self.tp_index
         # Every split is collective over the world: every rank makes them, in this order.
@@ -67,6 +76,12 @@ class Mesh:
         self.pp_comm = world.split(color=d * tp + t, key=p)  # same replica, same shard
         self.tp_comm = world.split(color=p * dp + d, key=t)  # same stage, same replica
         self.mp_comm = world.split(color=d, key=p * tp + t)  # same replica: one whole model
+        if ep > 1:
+            group, j = divmod(d, ep)
+            self.ep_comm = world.split(color=(p * tp + t) * (dp // ep) + group, key=j)  # tokens to their experts
+            self.edp_comm = world.split(color=(p * tp + t) * ep + j, key=group)  # the same experts' replicas
+        else:
+            self.ep_comm, self.edp_comm = None, self.dp_comm
 
     def rank_of(self, d: int, p: int, t: int = 0) -> int:
         """World rank of data-parallel replica d, pipeline stage p, tensor-parallel shard t."""
@@ -84,7 +99,7 @@ class Mesh:
         return d, p, t
 
     def as_dict(self) -> dict:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp,
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "ep": self.ep,
                 "dp_index": self.dp_index, "pp_index": self.pp_index, "tp_index": self.tp_index}
 
     def __repr__(self) -> str:

@@ -66,6 +66,7 @@ from .pipeline.schedules import build
 from .pipeline.simulate import Costs
 from .pipeline.stage import split_model
 from .pipeline.validate import validate
+from .experts import ParameterSubset, apply_expert_parallelism, is_expert_parameter
 
 
 class Trainer:
@@ -87,7 +88,8 @@ class Trainer:
                  zero: int = 0, dp_mode: str = "bucketed", bucket_bytes: int = 1 << 20, prefetch: int = 0,
                  param_threshold: int = 0, precision: str = "float32", clip: float = 0.0, checkpoint=None,
                  budget: int | None = None, action_costs=None, trace: str | None = None, layers=(),
-                 tp: int = 1, sequence_parallel: bool = False, partition_activations: bool = False) -> None:
+                 tp: int = 1, sequence_parallel: bool = False, partition_activations: bool = False,
+                 ep: int = 1) -> None:
         if not isinstance(pp, int) or pp < 1:
             raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
         from .tensor_parallel.gpt import check_options  # noqa: PLC0415
@@ -104,7 +106,7 @@ class Trainer:
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"unknown ZeRO stage {zero!r}; choose 0 (data parallel), 1, 2 or 3")
         # 1. the mesh
-        self.mesh = Mesh(world, pp=pp, tp=tp)  # the same clear error on every rank if pp · tp does not divide N
+        self.mesh = Mesh(world, pp=pp, tp=tp, ep=ep)  # the same clear error on every rank if pp · tp does not divide N
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.pp, self.dp, self.pipelined, self.clip, self.trace = pp, self.mesh.dp, pipelined, clip, trace
         self.tp, self.tensor_parallel, store = tp, None, None
@@ -113,6 +115,10 @@ class Trainer:
 
             self.tensor_parallel = shard_gpt(model, self.mesh.tp_comm, sequence_parallel)
             store = PartitionedActivations(self.mesh.tp_comm) if partition_activations else None
+        # the whole model's parameter shapes (this rank may hold slices, or some of the experts)
+        self.whole_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()} \
+            if self.tensor_parallel is None else dict(self.tensor_parallel.shapes)
+        self.ep = ep
         # 2. the micro-batch loop: a schedule of M micro-batches (one stage: gradient accumulation)
         name = schedule or "1f1b"
         self.schedule = build(name, pp, (2 * pp if micro_batches is None else micro_batches) if pipelined
@@ -124,6 +130,15 @@ class Trainer:
         self.timing_mode = tl.describe_costs(self.costs)
         p, S, placement = self.mesh.pp_index, self.schedule.num_stages, self.schedule.placement
         why = "" if S == pp else f" ({name} with --pp {pp} cuts the model into {S} stages)"
+        # each stage's parameters in the whole model, before expert parallelism keeps E/ep experts per rank
+        self.stage_names = {s: [name for name, _ in stage.named_parameters()]
+                            for s, stage in split_model(model, S, why=why).items()}
+        if ep > 1:  # 1b. expert parallelism: each rank keeps its experts, tokens travel by all-to-all
+
+            self.expert_runners = apply_expert_parallelism(model, self.mesh.ep_comm)
+            if not self.expert_runners:
+                raise ValueError(f"--ep {ep} splits the experts of a mixture of experts; the model has none: add "
+                                 "--experts E, or use --ep 1")
         self.all_stages = split_model(model, S, checkpoint_plan=None if S == 1 else checkpoint, why=why)
         if checkpoint not in (None, "none"):
             from refimpl.checkpointing import apply_to_gpt, parse_plan, selective_recomputation  # noqa: PLC0415
@@ -149,20 +164,30 @@ class Trainer:
         uncounted = set()  # held whole by every tp rank: tp rank 0 counts them in the norm
         if self.tensor_parallel is not None and t > 0:
             uncounted = set(self.tensor_parallel.whole_names(name for name, _ in model.named_parameters()))
-        dp_comm = self.mesh.dp_comm
-        if zero == 0 and precision != "mixed":
-            from .data_parallel import DataParallel  # noqa: PLC0415
 
-            self.sharding = DataParallel(self.stages, make_optimizer, dp_comm, dp_mode, bucket_bytes, clip, budget,
-                                         rank=world.rank, norm_total=norm_total, uncounted=uncounted)
-        else:  # mixed precision needs ZeRO's float32 master weights and loss scaling (ZeRO-0: DP)
-            from .zero import STAGES  # noqa: PLC0415
+        def strategy(parts: dict, comm, ledger=None):
+            if zero == 0 and precision != "mixed":
+                from .data_parallel import DataParallel  # noqa: PLC0415
+
+                return DataParallel(parts, make_optimizer, comm, dp_mode, bucket_bytes, clip, budget, rank=world.rank,
+                                    norm_total=norm_total, uncounted=uncounted, ledger=ledger)
+            from .zero import STAGES  # noqa: PLC0415 - mixed precision needs ZeRO's master weights (ZeRO-0: DP)
 
             options = dict(precision=precision, clip=clip, bucket_bytes=bucket_bytes, budget=budget, rank=world.rank,
-                           norm_total=norm_total, any_rank=any_rank, uncounted=uncounted)
+                           norm_total=norm_total, any_rank=any_rank, uncounted=uncounted, ledger=ledger)
             if zero == 3:
                 options.update(prefetch_bytes=prefetch, param_threshold=param_threshold)
-            self.sharding = STAGES[zero](model, self.stages, make_optimizer([]), dp_comm, **options)
+            return STAGES[zero](model, parts, make_optimizer([]), comm, **options)
+
+        if ep == 1:
+            self.sharding, self.expert_sharding = strategy(self.stages, self.mesh.dp_comm), None
+        else:  # the experts' gradients sum over their replicas (edp_comm), the rest over the whole dp group
+            experts = {s: ParameterSubset(stage, is_expert_parameter) for s, stage in self.stages.items()}
+            others = {s: ParameterSubset(stage, lambda name: not is_expert_parameter(name))
+                      for s, stage in self.stages.items()}
+            self.sharding = strategy(others, self.mesh.dp_comm)
+            self.expert_sharding = strategy(experts, self.mesh.edp_comm, ledger=self.sharding.ledger)
+        self.strategies = [s for s in (self.sharding, self.expert_sharding) if s is not None]
         self.zero, self.precision = zero, precision
         self.layers = list(layers)
         for layer in self.layers:
@@ -209,16 +234,40 @@ class Trainer:
                                    loss_scale=None if self.scaler is None else self.scaler.scale)
         if self.pipelined:
             self._collect_timing(record)
-        grads = self.sharding.finish()  # 3. reduced over the data-parallel group
+        grads = [strategy.finish() for strategy in self.strategies]  # 3. reduced over the data-parallel group
         if self.copies is not None:  # 4. DualPipe: + the other copy of each stage
-            for g in grads:
+            for g in (g for group in grads for g in group):
                 self.copies.allreduce(g)
-        result = self.sharding.optimizer_step(grads)  # 5. precision, clipping, the update
+        total = self._squared_norm_with_experts(grads) if self.expert_sharding is not None and self.clip > 0 else None
+        results = [strategy.optimizer_step(g, total) for strategy, g in zip(self.strategies, grads)]  # 5. the update
         if self.record_grads:
-            self.last_grads = self._on_rank0(self.sharding.whole(result.grads))
-        self.sharding.end_step(result)
+            self.last_grads = self._on_rank0(self._whole(lambda strategy, result: strategy.whole(result.grads),
+                                                         results))
+        for strategy, result in zip(self.strategies, results):
+            strategy.end_step(result)
         self.steps_done += 1
         return self.world.allreduce_value(record.loss if self.mesh.tp_index == 0 else 0.0)  # tp ranks: one loss
+
+    def _squared_norm_with_experts(self, grads: list) -> float:
+        """‖g‖² of the whole model with expert parallelism: the experts' part summed over the
+        expert-parallel group (each rank holds other experts), then everything over the model-parallel
+        ranks (each stage once, replicated tp parameters once)."""
+        dense = self.sharding.squared_norm(grads[0])
+        experts = self.mesh.ep_comm.allreduce_value(self.expert_sharding.squared_norm(grads[1]))
+        total = dense + experts
+        return self._model_parallel_norm(total) if self.pp * self.tp > 1 else total
+
+    def _whole(self, of, results=None) -> dict:
+        """{name: array} of this rank's stages from every strategy (of(strategy[, result])); with expert
+        parallelism all the experts, gathered over the expert-parallel group (a diagnostic path)."""
+        mine: dict = {}
+        for i, strategy in enumerate(self.strategies):
+            mine.update(of(strategy) if results is None else of(strategy, results[i]))
+        if self.expert_sharding is not None:
+            experts = {name: array for name, array in mine.items() if is_expert_parameter(name)}
+            for other in self.mesh.ep_comm.allgather_object(experts):
+                mine.update(other)
+        return mine
 
     def _model_parallel_norm(self, local: float) -> float:
         """Σ over the model-parallel ranks (pipeline x tp) of ‖g‖² (local: this rank's slices of its
@@ -233,7 +282,8 @@ class Trainer:
     def _around(self, action, last: bool):
         """Every action inside the gradient strategy's wrapper, then the further layers' (outermost first)."""
         with ExitStack() as stack:
-            stack.enter_context(self.sharding.around(action, last))
+            for strategy in self.strategies:
+                stack.enter_context(strategy.around(action, last))
             for layer in self.layers:
                 stack.enter_context(layer.around(action, last))
             yield
@@ -242,7 +292,7 @@ class Trainer:
     def full_parameters(self) -> dict:
         """{name: NumPy array} of the whole model (collective). Without a pipeline every rank gets
         it; with one, rank 0 (the others get {}). Mixed precision: the float32 master weights."""
-        return self._on_rank0(self.sharding.whole_parameters())
+        return self._on_rank0(self._whole(lambda strategy: strategy.whole_parameters()))
 
     def full_optimizer_state(self) -> dict:
         """{"step", "arrays": {key: {name: array}}, "loss_scaler"} on rank 0 (collective; ZeRO strategies).
@@ -260,7 +310,7 @@ class Trainer:
         during the forward, on every rank together). With a pipeline or tensor parallelism, rank 0
         loads the whole trained parameters into a fresh model from build() (its own `model` holds
         only its stages or slices, and under ZeRO-3 only shards); the other ranks evaluate nothing."""
-        if not self.pipelined and self.tensor_parallel is None:
+        if not self.pipelined and self.tensor_parallel is None and self.expert_sharding is None:
             return model
         params = self.full_parameters()
         if self.rank != 0:
@@ -277,22 +327,25 @@ class Trainer:
     def checkpoint_pieces(self) -> list:
         """This rank's share of a sharded checkpoint: the blocks of the stages it is primary for,
         whole groups only from data-parallel replica 0 (refimpl/saved_runs/sharded.py)."""
-        if self.tensor_parallel is not None:
-            raise ValueError("sharded checkpoints (--save) of tensor-parallel runs are not written yet: their pieces "
-                             "are slices of parameters; train with --tp 1 to save, or without --save")
+        if self.tensor_parallel is not None or self.expert_sharding is not None:
+            raise ValueError("sharded checkpoints (--save) of tensor- or expert-parallel runs are not written yet: "
+                             "their pieces are slices of parameters or some of the experts; train with --tp 1 "
+                             "--ep 1 to save, or without --save")
         mine = [s for s in self.stages if self.primary[s] == self.mesh.pp_index]
         return self.sharding.checkpoint_pieces(mine, writes_whole=self.mesh.dp_index == 0)
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
-        if self.tensor_parallel is not None:
-            raise ValueError("resuming a tensor-parallel run from a checkpoint is not supported yet; use --tp 1")
+        if self.tensor_parallel is not None or self.expert_sharding is not None:
+            raise ValueError("resuming a tensor- or expert-parallel run from a checkpoint is not supported yet; use "
+                             "--tp 1 --ep 1")
         self.sharding.load_full_state(masters, states, step)
 
     def _on_rank0(self, mine: dict) -> dict:
         """{name: array} of the whole model from each rank's {name: array} of its stages (collective
-        over the pipeline and the tp group). The tp group first puts its slices together
-        (TensorParallelGPT.whole). Without a pipeline that is whole. Stage s comes from pipeline
-        rank primary[s] of replica 0, tp rank 0: one message of its arrays flattened in model order."""
+        over the pipeline and the tp group; with expert parallelism `mine` already holds every
+        expert, _whole). The tp group first puts its slices together (TensorParallelGPT.whole).
+        Without a pipeline that is whole. Stage s comes from pipeline rank primary[s] of replica 0,
+        tp rank 0: one message of its arrays flattened in model order (stage_names, whole_shapes)."""
         if self.tensor_parallel is not None:
             mine = self.tensor_parallel.whole(mine)
         if not self.pipelined or self.pp == 1:
@@ -300,32 +353,27 @@ class Trainer:
         out: dict = {}
         if self.rank == 0:
             pending = []
-            for s, stage in self.all_stages.items():
-                named = stage.named_parameters()
+            for s, names in self.stage_names.items():
                 if self.primary[s] == 0:
-                    out.update({name: mine[name] for name, _ in named})
+                    out.update({name: mine[name] for name in names})
                     continue
-                shapes = [self._whole_shape(name, param) for name, param in named]
-                buf = backend.xp().empty(sum(math.prod(shape) for shape in shapes), dtype=next(iter(mine.values())).dtype)
-                pending.append((named, shapes, buf, self.world.irecv(buf, self.mesh.rank_of(0, self.primary[s]), tag=s)))
-            for named, shapes, buf, request in pending:
+                sizes = [math.prod(self.whole_shapes[name]) for name in names]
+                buf = backend.xp().empty(sum(sizes), dtype=next(iter(mine.values())).dtype)
+                pending.append((names, sizes, buf, self.world.irecv(buf, self.mesh.rank_of(0, self.primary[s]), tag=s)))
+            for names, sizes, buf, request in pending:
                 request.wait()
                 host, offset = backend.to_host(buf), 0
-                for (name, _), shape in zip(named, shapes):
-                    out[name] = host[offset:offset + math.prod(shape)].reshape(shape).copy()
-                    offset += math.prod(shape)
+                for name, size in zip(names, sizes):
+                    out[name] = host[offset:offset + size].reshape(self.whole_shapes[name]).copy()
+                    offset += size
         elif self.mesh.dp_index == 0 and self.mesh.tp_index == 0:
-            for s, stage in self.stages.items():
+            for s in self.stages:
                 if self.primary[s] == self.mesh.pp_index:
                     flat = backend.xp().concatenate([backend.asarray(mine[name]).reshape(-1)
-                                                     for name, _ in stage.named_parameters()])
+                                                     for name in self.stage_names[s]])
                     self.world.send(flat, 0, tag=s)
-        order = [name for s in sorted(self.all_stages) for name, _ in self.all_stages[s].named_parameters()]
+        order = [name for s in sorted(self.stage_names) for name in self.stage_names[s]]
         return {name: out[name] for name in order} if self.rank == 0 else {}
-
-    def _whole_shape(self, name: str, param) -> tuple:
-        """The single-process shape of a parameter (this rank may hold a tensor-parallel slice)."""
-        return tuple(param.shape) if self.tensor_parallel is None else self.tensor_parallel.shapes[name]
 
     # -- reports ---------------------------------------------------------------------------------
     def _collect_timing(self, record) -> None:
@@ -356,6 +404,9 @@ class Trainer:
     def report(self) -> dict:
         """What train --json and verify --json print about the trainer (local: no communication)."""
         info = {"strategy": type(self.sharding).__name__, **self.sharding.report()}
+        if self.expert_sharding is not None:
+            info["expert_parallel"] = {"ep": self.ep, "expert_data_parallel": self.mesh.edp_comm.size,
+                                       "experts_per_rank": self.expert_runners[0].per_rank}
         if self.tensor_parallel is not None:
             tp = self.tensor_parallel
             info["tensor_parallel"] = {"tp": self.tp, "sequence_parallel": tp.sequence_parallel,

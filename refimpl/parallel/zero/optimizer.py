@@ -64,8 +64,15 @@ class ShardedOptimizer:
     def steps_taken(self) -> int:
         return int(self.states[0]["step"]) if self.states else 0
 
-    def step(self, grads: list) -> StepResult:
-        """One optimizer step given each group's gradient block; collective when sharded."""
+    def squared_norm(self, grads: list) -> float:
+        """‖g‖² of the groups' gradients over the sharding group (one all-reduce when sharded), the
+        parameters another rank counts left out."""
+        total = squared_norm(grads if not self.uncounted else counted_pieces(self.groups, grads, self.uncounted))
+        return total if self.comm is None else self.comm.allreduce_value(total)
+
+    def step(self, grads: list, total: float | None = None) -> StepResult:
+        """One optimizer step given each group's gradient block; collective when sharded. total: the
+        global squared norm for clipping, if the caller computed it (float32/float64 only)."""
         temporaries = []
         if self.scaler is not None:  # 1. unscale in float32, vote on overflow
             inverse = 1.0 / self.scaler.scale
@@ -86,11 +93,10 @@ class ShardedOptimizer:
                 return StepResult(False, grads)
         norm = None
         if self.clip > 0:  # 2. clip by the global norm
-            total = squared_norm(grads if not self.uncounted else counted_pieces(self.groups, grads, self.uncounted))
-            if self.comm is not None:
-                total = self.comm.allreduce_value(total)
-            if self.norm_total is not None:
-                total = self.norm_total(total)
+            if total is None:
+                total = self.squared_norm(grads)
+                if self.norm_total is not None:
+                    total = self.norm_total(total)
             norm = total ** 0.5
             scale_to_max_norm_(grads, total, self.clip)
         for master, g, state, block in zip(self.masters, grads, self.states, self.param_blocks):

@@ -80,6 +80,7 @@ class ZeroSharding:
                the ranks that do not share this rank's stages (the pipeline, the tensor-parallel
                group); None: nothing to add
     uncounted  names of parameters whose gradient norm another rank counts (optimizer.py)
+    ledger     a memory ledger to share (expert parallelism's two strategies), else a new one
     """
 
     stage: int = -1
@@ -89,11 +90,11 @@ class ZeroSharding:
 
     def __init__(self, model, parts: dict, optimizer, comm, precision: str = "float32", clip: float = 0.0,
                  bucket_bytes: int = 1 << 20, budget: int | None = None, rank: int | None = None,
-                 norm_total=None, any_rank=None, uncounted=()) -> None:
+                 norm_total=None, any_rank=None, uncounted=(), ledger=None) -> None:
         self.model, self.parts, self.comm, self.clip = model, parts, comm, clip
         self.precision, self.bucket_bytes = precision, bucket_bytes
         self.world_size, self.rank = comm.size, comm.rank
-        self.ledger = MemoryLedger(budget, comm.rank if rank is None else rank)
+        self.ledger = MemoryLedger(budget, comm.rank if rank is None else rank) if ledger is None else ledger
         self.scaler = LossScaler() if precision == "mixed" else None
         self.named = [(name, p) for s in sorted(parts) for name, p in parts[s].named_parameters()]
         expected = storage_dtype(precision)
@@ -141,9 +142,12 @@ class ZeroSharding:
         self._retire(0)
         return self._gradient_blocks()
 
-    def optimizer_step(self, blocks: list):
+    def squared_norm(self, blocks: list) -> float:
+        return self.optimizer.squared_norm(blocks)
+
+    def optimizer_step(self, blocks: list, total: float | None = None):
         """The sharded optimizer step on the blocks (optimizer.py); returns its StepResult."""
-        return self.optimizer.step(blocks)
+        return self.optimizer.step(blocks, total)
 
     def end_step(self, result) -> None:
         """Zero the gradients and, if the step was taken, publish the updated parameters."""
