@@ -1,5 +1,6 @@
-"""The communication layer in one process: block layout, byte formulas, the ring algorithms on a
-simulated network (N up to 8, no MPI), the local world, counters, mesh, thread budget, failure
+"""The communication layer in one process: block layout, byte formulas, the ring algorithms and
+the pairwise all-to-all on a simulated network (N up to 8, no MPI), non-blocking ring requests of
+N Comm objects sharing mailboxes, the local world, counters, mesh, thread budget, failure
 messages, and that none of it imports mpi4py.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import re
 import sys
 import textwrap
-from collections import deque
+from collections import defaultdict, deque
 
 import numpy as np
 import pytest
@@ -59,7 +60,21 @@ def test_byte_formulas_sum_to_n_minus_1_buffers(length, size, root):
 
 def test_unknown_kind_has_no_formula():
     with pytest.raises(ValueError, match="no ring byte formula"):
-        ring.bytes_sent("alltoall", 10, 2, 0, 8)
+        ring.bytes_sent("gather", 10, 2, 0, 8)
+    with pytest.raises(ValueError, match="use alltoall_bytes_sent"):
+        ring.bytes_sent("alltoallv", 10, 2, 0, 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 9), block=st.integers(0, 20), seed=st.integers(0, 2**32 - 1),
+       itemsize=st.sampled_from([2, 4, 8]))
+def test_alltoall_byte_formula(size, block, seed, itemsize):
+    counts = np.random.default_rng(seed).integers(0, 6, size=(size, size))  # counts[i, j]: i sends to j
+    sent = [ring.alltoall_bytes_sent(counts[r], r, itemsize) for r in range(size)]
+    assert sent == [sum(int(counts[r, j]) for j in range(size) if j != r) * itemsize for r in range(size)]
+    assert sum(sent) == (counts.sum() - np.trace(counts)) * itemsize  # everything off the diagonal
+    equal = [ring.alltoall_bytes_sent([block] * size, r, itemsize) for r in range(size)]
+    assert equal == [(size - 1) * block * itemsize] * size  # (N-1)/N of L = N * block
 
 
 # -- the ring algorithms on a simulated network -----------------------------------------------------------
@@ -70,8 +85,9 @@ class SimulatedRing:
 
     def __init__(self, size):
         self.size = size
-        self.wires = {r: deque() for r in range(size)}  # messages travelling from rank r to r+1
+        self.wires = defaultdict(deque)  # (source, dest) -> messages travelling from source to dest
         self.sent = [0] * size  # bytes sent by each rank
+        self.peers = [[] for _ in range(size)]  # (dest, source) of each rank's exchanges, in order
 
     def link(self, rank):
         net = self
@@ -80,16 +96,17 @@ class SimulatedRing:
             def __init__(self):
                 self.rank, self.size = rank, net.size
 
-            def send(self, buf):
-                net.wires[rank].append(buf.copy())
+            def send(self, buf, dest=None):
+                net.wires[(rank, (rank + 1) % net.size if dest is None else dest)].append(buf.copy())
                 net.sent[rank] += buf.nbytes
                 return []
 
-            def receive(self, buf):
-                return [("recv", (rank - 1) % net.size, buf)]
+            def receive(self, buf, source=None):
+                return [("recv", ((rank - 1) % net.size if source is None else source, rank), buf)]
 
-            def exchange(self, send, recv):
-                return self.receive(recv) + self.send(send)
+            def exchange(self, send, recv, dest=None, source=None):
+                net.peers[rank].append((dest, source))
+                return self.receive(recv, source) + self.send(send, dest)
 
             @staticmethod
             def empty(n, dtype):
@@ -119,9 +136,9 @@ class SimulatedRing:
             return []
 
     def _complete(self, handle):
-        (_, source, buf), done = handle
-        if not done and self.wires[source]:
-            message = self.wires[source].popleft()
+        (_, wire, buf), done = handle
+        if not done and self.wires[wire]:
+            message = self.wires[wire].popleft()
             assert message.size == buf.size, "a receive matched a message of another length"
             buf[...] = message
             handle[1] = True
@@ -180,6 +197,89 @@ def test_simulated_ring_collectives(size, length, seed, reduce):
     assert net.sent == [ring.bytes_sent("bcast", length, size, r, 8, root) for r in range(size)]
 
 
+def alltoall_counts(rng, size, most):
+    """counts[i, j]: elements rank i sends rank j (N, N), with zeros and one rank that neither sends nor receives."""
+    counts = rng.integers(0, most + 1, size=(size, size))
+    counts[rng.random((size, size)) < 0.3] = 0
+    if size > 1:
+        empty = rng.integers(size)
+        counts[empty, :] = counts[:, empty] = 0
+    return counts
+
+
+def alltoall_expected(sends, counts, r):
+    """What rank r receives: block r of every rank's sendbuf, in rank order."""
+    offsets = np.concatenate([np.zeros((len(counts), 1), int), np.cumsum(counts, axis=1)], axis=1)
+    return np.concatenate([sends[i][offsets[i, r] : offsets[i, r + 1]] for i in range(len(counts))])
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 8), most=st.integers(0, 6), seed=st.integers(0, 2**32 - 1))
+def test_simulated_pairwise_alltoall(size, most, seed):
+    rng = np.random.default_rng(seed)
+    counts = alltoall_counts(rng, size, most)
+    sends = [rng.standard_normal(int(counts[i].sum())) for i in range(size)]  # rank i's sendbuf
+    recvs = [np.full(int(counts[:, r].sum()), np.nan) for r in range(size)]
+    net = SimulatedRing(size)
+    net.run([ring.alltoallv(net.link(r), sends[r].copy(), counts[r], recvs[r], counts[:, r]) for r in range(size)])
+    assert all(np.array_equal(recvs[r], alltoall_expected(sends, counts, r)) for r in range(size))
+    assert net.sent == [ring.alltoall_bytes_sent(counts[r], r, 8) for r in range(size)]  # own block not sent
+    # N - 1 steps; step s sends to r + s and receives from r - s
+    assert net.peers == [[((r + s) % size, (r - s) % size) for s in range(1, size)] for r in range(size)]
+
+
+class MailboxComm(commlib.Comm):
+    """Rank `rank` of N Comm objects in one process, point-to-point through shared mailboxes: the
+    ring collectives and their non-blocking requests, exactly as MPIComm runs them, without MPI.
+    Only non-blocking calls work (a blocking one would wait for ranks that have not run yet)."""
+
+    def __init__(self, rank, size, mailboxes):
+        super().__init__(rank, size, "ring", commlib.Counters())
+        self.mailboxes = mailboxes  # (source, dest, tag, internal) -> messages
+
+    def _post_send(self, flat, dest, tag, internal=False):
+        self.mailboxes[(self.rank, dest, tag, internal)].append(flat.copy())
+        return None  # buffered
+
+    def _post_recv(self, flat, source, tag, internal=False):
+        return commlib._LocalReceive(self.mailboxes[(source, self.rank, tag, internal)], flat)
+
+    def _test_all(self, handles):
+        return all([h is None or h.test() for h in handles])
+
+    def _wait_all(self, handles, what="wait"):
+        if not self._test_all(handles):
+            raise RuntimeError(f"{what}: a message from a rank that has not sent it yet")
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("kind", ["alltoall", "alltoallv"])
+def test_ring_alltoall_requests_advance_one_step_per_test(size, kind):
+    rng = np.random.default_rng(size)
+    counts = np.full((size, size), 4) if kind == "alltoall" else alltoall_counts(rng, size, 6)
+    sends = [rng.integers(-99, 99, int(counts[i].sum())).astype(np.float32) for i in range(size)]
+    mailboxes = defaultdict(deque)
+    comms = [MailboxComm(r, size, mailboxes) for r in range(size)]
+    recvs = [np.zeros(int(counts[:, r].sum()), np.float32) for r in range(size)]
+    if kind == "alltoall":
+        requests = [comms[r].ialltoall(sends[r], recvs[r]) for r in range(size)]
+    else:
+        requests = [comms[r].ialltoallv(sends[r], counts[r], recvs[r], counts[:, r].tolist()) for r in range(size)]
+    # posting sends step 1 (to rank r + 1), counted then
+    assert [c.counters.bytes(kind) for c in comms] == [4 * int(counts[r, (r + 1) % size]) for r, c in enumerate(comms)]
+    if size > 2:  # rank 0 alone: step 1 completes, step 2 is posted, and its message is not there yet
+        assert not requests[0].test() and not requests[0].test()
+        assert comms[0].counters.bytes(kind) == 4 * int(counts[0, 1] + counts[0, 2])
+    rounds = 0
+    while not all([request.test() for request in requests]):
+        rounds += 1
+        assert rounds < size
+    for r in range(size):
+        assert requests[r].result is recvs[r] and np.array_equal(recvs[r], alltoall_expected(sends, counts, r))
+        assert comms[r].counters.snapshot() == {kind: {"calls": 1, "bytes": ring.alltoall_bytes_sent(counts[r], r, 4)}}
+    assert not any(mailboxes.values())  # every message received
+
+
 # -- the local world -------------------------------------------------------------------------------------
 
 
@@ -200,6 +300,24 @@ def test_local_world_collectives(mode):
     assert world.counters.total_bytes == 0
     assert snapshot["allreduce"] == {"calls": 3, "bytes": 0}  # allreduce, iallreduce, allreduce_value
     assert world.allgather_object("a") == ["a"] and world.bcast_object({"k": 1}) == {"k": 1}
+
+
+@pytest.mark.parametrize("mode", ["mpi", "ring"])
+def test_local_world_alltoall(mode):
+    world = commlib.LocalComm(mode)
+    counts = np.array([3], dtype=np.int64)
+    got = world.alltoall(counts)  # recvbuf=None: a new array like sendbuf
+    assert got is not counts and got.dtype == np.int64 and np.array_equal(got, counts)
+    grid, out = np.arange(6.0).reshape(2, 3), np.zeros((2, 3))
+    assert world.alltoall(grid, out) is out and np.array_equal(out, grid)
+    tokens, arrived = np.arange(12, dtype=np.float32).reshape(4, 3), np.zeros((4, 3), np.float32)
+    assert world.alltoallv(tokens, [12], arrived, counts * 4) is arrived and np.array_equal(arrived, tokens)
+    empty = np.zeros(0)
+    assert world.alltoallv(np.zeros(0), [0], empty, [0]) is empty
+    request = world.ialltoallv(np.ones(2), (2,), np.zeros(2), np.array([2], dtype=np.uint32))
+    assert request.test() and np.array_equal(request.wait(), np.ones(2))
+    assert np.array_equal(world.ialltoall(np.arange(3)).wait(), np.arange(3))
+    assert world.counters.snapshot() == {"alltoall": {"calls": 3, "bytes": 0}, "alltoallv": {"calls": 3, "bytes": 0}}
 
 
 def test_local_messages_to_oneself():
@@ -255,6 +373,36 @@ def test_bad_input_is_one_clear_error():
     with pytest.raises(ValueError, match="overlap"):
         x = np.ones(4)
         world.allgather(x[:4], x)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda w: w.alltoall(np.ones(4), np.zeros(3)), "alltoall: recvbuf has 3 elements, but sendbuf has 4"),
+    (lambda w: w.alltoall(np.ones(4), np.zeros(4, np.float32)), "alltoall: sendbuf is float64 but recvbuf is float32"),
+    (lambda w: w.alltoall(np.ones((4, 4)).T), "C-contiguous"),
+    (lambda w: w.alltoallv(np.ones(4), [3], np.zeros(4), [4]),
+     "alltoallv: sendcounts sum to 3 elements, but sendbuf has 4"),
+    (lambda w: w.alltoallv(np.ones(4), [4], np.zeros(5), [4]),
+     "alltoallv: recvcounts sum to 4 elements, but recvbuf has 5"),
+    (lambda w: w.alltoallv(np.ones(4), [2, 2], np.zeros(4), [4]),
+     "alltoallv: sendcounts must hold 1 counts, one per rank, but has shape (2,)"),
+    (lambda w: w.alltoallv(np.ones(4), 4, np.zeros(4), [4]), "sendcounts must hold 1 counts, one per rank, but has shape ()"),
+    (lambda w: w.alltoallv(np.ones(4), [4], np.zeros(4), [[4]]), "recvcounts must hold 1 counts"),
+    (lambda w: w.alltoallv(np.ones(4), [4.0], np.zeros(4), [4]),
+     "alltoallv: sendcounts must be integers (counts of elements), not float64"),
+    (lambda w: w.alltoallv(np.ones(0), [0], np.zeros(0), [-1]), "alltoallv: recvcounts[0] = -1 is negative"),
+    (lambda w: w.alltoallv(np.ones(4, np.int32), [4], np.zeros(4, np.int64), [4]),
+     "alltoallv: sendbuf is int32 but recvbuf is int64"),
+    (lambda w: w.alltoallv(np.ones(4), [4], None, [4]), "recvbuf must be a numpy array, not NoneType"),
+])
+def test_alltoall_argument_errors(call, message):
+    for mode in ["mpi", "ring"]:
+        world = commlib.LocalComm(mode)
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}" if message.startswith("alltoall") else re.escape(message)):
+            call(world)
+        assert world.counters.snapshot() == {}  # nothing counted for a call refused
+    shared = np.ones(4)
+    with pytest.raises(ValueError, match="alltoallv: sendbuf and recvbuf overlap"):
+        commlib.LocalComm().alltoallv(shared[:2], [2], shared[1:3], [2])
 
 
 # -- the world, MPI detection, and never importing mpi4py ------------------------------------------------
@@ -342,7 +490,7 @@ def test_mesh_with_tensor_parallelism(dp, pp, tp):
         coords = megatron_coords(rank, dp, pp, tp)
         assert (mesh.dp_index, mesh.pp_index, mesh.tp_index) == coords == mesh.coords_of(rank)
         assert mesh.rank_of(*coords) == rank
-        assert mesh.as_dict() == {"dp": dp, "pp": pp, "tp": tp, "dp_index": coords[0], "pp_index": coords[1],
+        assert mesh.as_dict() == {"dp": dp, "pp": pp, "tp": tp, "ep": 1, "dp_index": coords[0], "pp_index": coords[1],
                                   "tp_index": coords[2]}
     rank = lambda d, p, t: (p * dp + d) * tp + t  # noqa: E731
     assert split_groups(meshes, "tp_comm") == sorted([rank(d, p, t) for t in range(tp)]

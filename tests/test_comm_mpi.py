@@ -1,8 +1,9 @@
 """The communication layer under mpiexec at 1, 2, 3 and 4 processes, and without MPI at all.
 
 Each launch runs tests/mpi_programs/collectives.py, which performs every check (values against
-NumPy, the ring's summation order, byte counters against the formulas, non-blocking requests,
-point-to-point, sub-communicators, the mesh, bad input) and reports them in one JSON line.
+NumPy, the ring's summation order, all-to-all blocks and counts, a mixture-of-experts dispatch and
+combine, byte counters against the formulas, non-blocking requests, point-to-point,
+sub-communicators, the mesh, bad input) and reports them in one JSON line.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def test_collectives_under_mpiexec(n):
 
 
 CASE = st.fixed_dictionaries({
-    "kind": st.sampled_from(["allreduce", "reduce_scatter", "allgather", "bcast"]),
+    "kind": st.sampled_from(["allreduce", "reduce_scatter", "allgather", "bcast", "alltoall", "alltoallv"]),
     "length": st.integers(0, 40),
     "variant": st.sampled_from([("float64", False, "sum"), ("float64", True, "sum"), ("float32", False, "sum"),
                                 ("float16", True, "sum"), ("int32", True, "max"), ("float64", False, "min")]),

@@ -9,6 +9,8 @@ receives a `Comm` object and calls its methods:
     world.allreduce(grad)                     # in place, sum over ranks
     shard = world.reduce_scatter(flat)        # (count_r,) this rank's block of the sum
     world.allgather(shard, flat)              # every rank's block into flat (L,)
+    world.alltoall(counts, counts_in)         # (N,) each: entry j to rank j, entry i from rank i
+    world.alltoallv(tokens, counts, arrived, counts_in)  # blocks of those lengths, both ways
     request = world.iallreduce(bucket)        # non-blocking; request.test() polls, .wait() blocks
     world.counters.snapshot()                 # {"allreduce": {"calls": 1, "bytes": 4096}, ...}
 
@@ -28,6 +30,13 @@ collectives see it as flat, of L elements, whatever its shape. Lengths not divis
 numpy.array_split; blocks may be empty when L < N. reduce_scatter(sendbuf (L,)) returns this rank's
 block (count_r,); allgather(sendbuf (count_r,), recvbuf (L,)) fills recvbuf, or sendbuf=None when
 the block is already in place; with recvbuf=None the blocks are taken to be equal, L = N * count.
+All-to-all is the one collective whose blocks are given by the caller: alltoallv(sendbuf (S,),
+sendcounts (N,), recvbuf (R,), recvcounts (N,)) sends block j of sendbuf (sendcounts[j] elements)
+to rank j and receives rank i's block for us into block i of recvbuf (recvcounts[i] elements),
+blocks laid end to end (displacements = exclusive prefix sums of the counts); rank i's
+sendcounts[r] must equal rank r's recvcounts[i], which MPI does not check either (exchange the
+counts first, with alltoall on one int64 per rank). alltoall(sendbuf (L,), recvbuf (L,)) is the case
+of equal blocks, L // N each.
 
 Counters: the ground truth of every communication figure. Each Comm counts, per kind of call, the
 calls made and the bytes *sent* by this rank; a sub-communicator's counts are also added to its
@@ -39,21 +48,24 @@ N ranks, count_b as above; see ring.py for the derivations):
     reduce_scatter   (L - count_r) * itemsize                           (N-1)/N * L * itemsize
     allgather        (L - count_{r+1}) * itemsize                       (N-1)/N * L * itemsize
     bcast            L * itemsize, except 0 on rank (root - 1) mod N    (a chain along the ring)
+    alltoall         (L - L/N) * itemsize: every block but its own      (N-1)/N * L * itemsize
+    alltoallv        (sum_j sendcounts_j - sendcounts_r) * itemsize     (the own block is not sent)
     send, sendrecv   the message's bytes (also isend)
     recv, barrier    0 (a call only; also irecv, ibarrier)
     *_object         the pickled bytes under the same rules (sizes exchanged first, 8 bytes each)
 
 With collectives="mpi", MPI's built-in collectives run and the counter records what the ring
-algorithm would send, by the formulas. With collectives="ring", ring.py runs and the bytes are
-counted one message at a time, at the send; tests check that both give the same numbers.
+algorithm (for all-to-all, ring.py's pairwise exchange) would send, by the formulas. With
+collectives="ring", ring.py runs and the bytes are counted one message at a time, at the send;
+tests check that both give the same numbers.
 Non-blocking calls are counted when they are posted (a ring step's bytes when that step is posted).
 
-Non-blocking calls and progress. iallreduce, ireduce_scatter, iallgather, ibcast, ibarrier,
-isend and irecv return a `Request`; `test()` makes progress and says whether it is complete,
+Non-blocking calls and progress. iallreduce, ireduce_scatter, iallgather, ibcast, ialltoall,
+ialltoallv, ibarrier, isend and irecv return a `Request`; `test()` makes progress and says whether it is complete,
 `wait()` blocks until it is and returns the result array. MPI advances an outstanding operation
 only while some MPI call runs in the process, so code that overlaps communication with computation
-(DDP buckets) must call `test()` now and then. A ring request advances one step per successful
-test. As in MPI, every rank must start collectives on a communicator in the same order, and a
+(DDP buckets, expert parallelism's token exchange) must call `test()` now and then. A ring
+request advances one step per successful test (an all-to-all's: one pairwise exchange). As in MPI, every rank must start collectives on a communicator in the same order, and a
 buffer must not be touched until its request completes.
 
 The world. `get_world()` returns the world communicator, created once: a LocalComm unless the
@@ -207,16 +219,18 @@ class _RingLink:
         self.rank, self.size = comm.rank, comm.size
         self.right, self.left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
 
-    def send(self, buf) -> list:
+    def send(self, buf, dest: int | None = None) -> list:
+        """Send to rank dest (default: the right neighbour)."""
         self.comm.counters.record(self.kind, buf.nbytes, calls=0)  # bytes counted at the send
-        return [self.comm._post_send(buf, self.right, self.tag, internal=True)]
+        return [self.comm._post_send(buf, self.right if dest is None else dest, self.tag, internal=True)]
 
-    def receive(self, buf) -> list:
-        return [self.comm._post_recv(buf, self.left, self.tag, internal=True)]
+    def receive(self, buf, source: int | None = None) -> list:
+        """Receive from rank source (default: the left neighbour)."""
+        return [self.comm._post_recv(buf, self.left if source is None else source, self.tag, internal=True)]
 
-    def exchange(self, send, recv) -> list:
-        """Send to the right and receive from the left, both at once (a Sendrecv)."""
-        return self.receive(recv) + self.send(send)
+    def exchange(self, send, recv, dest: int | None = None, source: int | None = None) -> list:
+        """Send to the right (or dest) and receive from the left (or source), both at once (a Sendrecv)."""
+        return self.receive(recv, source) + self.send(send, dest)
 
     def empty(self, n: int, dtype):
         return self.module.empty(n, dtype=dtype)
@@ -289,9 +303,12 @@ class Comm:
 
     # -- how collectives run: MPI's built-in, or ring.py ------------------------------------------
 
-    def _builtin(self, kind: str, flat, start, args, blocking: bool, result, root: int = 0):
-        """Count a built-in collective by the ring formula, then start it: start(*args, blocking)."""
-        self.counters.record(kind, ring.bytes_sent(kind, flat.size, self.size, self.rank, flat.itemsize, root))
+    def _builtin(self, kind: str, flat, start, args, blocking: bool, result, root: int = 0,
+                 nbytes: int | None = None):
+        """Count a built-in collective by the ring formula (or as nbytes), then start it: start(*args, blocking)."""
+        if nbytes is None:
+            nbytes = ring.bytes_sent(kind, flat.size, self.size, self.rank, flat.itemsize, root)
+        self.counters.record(kind, nbytes)
         raw = start(*args, blocking)
         if blocking:
             return None
@@ -399,6 +416,82 @@ class Comm:
             return self._ring("bcast", ring.bcast, (flat, root), blocking, buf)
         return self._builtin("bcast", flat, self._mpi_bcast, (flat, root), blocking, buf, root)
 
+    def alltoall(self, sendbuf, recvbuf=None):
+        """Equal blocks, L // N each: block j of sendbuf (L,) to rank j; rank i's block for us into
+        block i of recvbuf (L,) (a new array shaped like sendbuf when None). Returns recvbuf."""
+        return self._alltoall(sendbuf, recvbuf, blocking=True)
+
+    def ialltoall(self, sendbuf, recvbuf=None) -> Request:
+        """Non-blocking alltoall; the request's result is recvbuf."""
+        return self._alltoall(sendbuf, recvbuf, blocking=False)
+
+    def _alltoall(self, sendbuf, recvbuf, blocking):
+        send = self._flat(sendbuf, "sendbuf", writable=False)
+        if send.size % self.size:
+            raise ValueError(f"alltoall: sendbuf has {send.size} elements, not a multiple of the {self.size} "
+                             "ranks (equal blocks); use alltoallv for blocks of different lengths")
+        if recvbuf is None:  # in the memory of sendbuf (host or device)
+            recvbuf = backend.array_module(send).empty(sendbuf.shape, dtype=send.dtype)
+        recv = self._flat(recvbuf, "recvbuf", writable=True)
+        if recv.size != send.size:
+            raise ValueError(f"alltoall: recvbuf has {recv.size} elements, but sendbuf has {send.size}; "
+                             "with equal blocks both hold N blocks of the same length")
+        self._check_pair(send, recv, "alltoall")
+        counts = ring.block_counts(send.size, self.size)  # (N,) all L // N
+        return self._exchange_blocks("alltoall", send, counts, recv, counts, recvbuf, blocking)
+
+    def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        """Blocks of any length: block j of sendbuf (S,), sendcounts[j] elements, to rank j; rank i's
+        block for us into block i of recvbuf (R,), recvcounts[i] elements. Blocks lie end to end
+        (displacements: exclusive prefix sums of the counts), so sum(sendcounts) = S and
+        sum(recvcounts) = R; counts (N,) are integers in elements (a list, or a host or device
+        array). recvcounts[i] must equal rank i's sendcounts[r] (exchange the counts with alltoall
+        first). Returns recvbuf."""
+        return self._alltoallv(sendbuf, sendcounts, recvbuf, recvcounts, blocking=True)
+
+    def ialltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts) -> Request:
+        """Non-blocking alltoallv; the request's result is recvbuf."""
+        return self._alltoallv(sendbuf, sendcounts, recvbuf, recvcounts, blocking=False)
+
+    def _alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts, blocking):
+        send = self._flat(sendbuf, "sendbuf", writable=False)
+        recv = self._flat(recvbuf, "recvbuf", writable=True)
+        sendcounts = self._counts(sendcounts, "sendcounts", send, "sendbuf")
+        recvcounts = self._counts(recvcounts, "recvcounts", recv, "recvbuf")
+        self._check_pair(send, recv, "alltoallv")
+        return self._exchange_blocks("alltoallv", send, sendcounts, recv, recvcounts, recvbuf, blocking)
+
+    def _counts(self, counts, name: str, flat, buffer: str) -> np.ndarray:
+        """An all-to-all's counts as an int64 NumPy array (N,), or one clear ValueError."""
+        if backend.on_device(counts):
+            counts = backend.to_host(counts)
+        array = np.array(counts)  # a host copy (N,)
+        if array.shape != (self.size,):
+            raise ValueError(f"alltoallv: {name} must hold {self.size} counts, one per rank, "
+                             f"but has shape {array.shape}")
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"alltoallv: {name} must be integers (counts of elements), not {array.dtype}")
+        if (array < 0).any():
+            rank = int((array < 0).argmax())
+            raise ValueError(f"alltoallv: {name}[{rank}] = {int(array[rank])} is negative")
+        if int(array.sum()) != flat.size:
+            raise ValueError(f"alltoallv: {name} sum to {int(array.sum())} elements, but {buffer} has "
+                             f"{flat.size} (blocks lie end to end, so the counts must add up to its size)")
+        return array.astype(np.int64, copy=False)
+
+    def _exchange_blocks(self, kind, send, sendcounts, recv, recvcounts, result, blocking):
+        """Run an all-to-all: the pairwise exchange of ring.py, or MPI's Alltoall(v)."""
+        if self.collectives == "ring":
+            request = self._ring(kind, ring.alltoallv, (send, sendcounts, recv, recvcounts), blocking, result)
+        else:
+            nbytes = ring.alltoall_bytes_sent(sendcounts, self.rank, send.itemsize)
+            if kind == "alltoall":
+                start, args = self._mpi_alltoall, (send, recv)
+            else:
+                start, args = self._mpi_alltoallv, (send, sendcounts, recv, recvcounts)
+            request = self._builtin(kind, send, start, args, blocking, result, nbytes=nbytes)
+        return result if blocking else request
+
     def barrier(self, label: str = "barrier") -> None:
         """Wait until every rank has reached this call (`label`: what the watchdog calls the wait)."""
         self.counters.record("barrier")
@@ -493,6 +586,9 @@ class Comm:
     # -- what a subclass provides ------------------------------------------------------------------
     # _mpi_allreduce / _mpi_reduce_scatter / _mpi_allgather / _mpi_bcast / _mpi_barrier(blocking):
     #     run MPI's built-in; return None when blocking, else one low-level handle (or None: done)
+    # _mpi_alltoall(send, recv, blocking) / _mpi_alltoallv(send, sendcounts, recv, recvcounts, blocking):
+    #     the same for all-to-all (counts: int64 NumPy arrays (N,), checked); needed only by a Comm
+    #     on which alltoall / alltoallv are called
     # _post_send / _post_recv(flat, peer, tag, internal=False): start a message, return a handle
     # _send / _recv(flat, peer, tag): blocking point-to-point
     # _test_all(handles) -> bool, _wait_all(handles, what="wait")
@@ -585,6 +681,20 @@ class MPIComm(Comm):
         call = self._comm.Bcast if blocking else self._comm.Ibcast
         with self._waits("bcast") if blocking else _NOT_WATCHED:
             return staging.issued(call(copies.write(flat), root), copies, blocking)
+
+    def _mpi_alltoall(self, send, recv, blocking):
+        copies = self._copies()
+        call = self._comm.Alltoall if blocking else self._comm.Ialltoall
+        with self._waits("alltoall") if blocking else _NOT_WATCHED:
+            return staging.issued(call(copies.read(send), copies.write(recv)), copies, blocking)
+
+    def _mpi_alltoallv(self, send, sendcounts, recv, recvcounts, blocking):
+        copies = self._copies()
+        source = [copies.read(send), (sendcounts.tolist(), ring.block_offsets(sendcounts).tolist())]
+        target = [copies.write(recv), (recvcounts.tolist(), ring.block_offsets(recvcounts).tolist())]
+        call = self._comm.Alltoallv if blocking else self._comm.Ialltoallv
+        with self._waits("alltoallv") if blocking else _NOT_WATCHED:
+            return staging.issued(call(source, target), copies, blocking)
 
     def _mpi_barrier(self, blocking, label="barrier"):
         if not blocking:
@@ -726,6 +836,12 @@ class LocalComm(Comm):
 
     def _mpi_bcast(self, flat, root, blocking):
         return None
+
+    def _mpi_alltoall(self, send, recv, blocking):
+        recv[...] = send  # our one block, to ourselves
+
+    def _mpi_alltoallv(self, send, sendcounts, recv, recvcounts, blocking):
+        recv[...] = send
 
     def _mpi_barrier(self, blocking, label="barrier"):
         return None

@@ -1,8 +1,10 @@
-"""Ring collectives built on point-to-point messages, and the byte counts they imply.
+"""Ring collectives (and the pairwise all-to-all) built on point-to-point messages, and the byte
+counts they imply.
 
 The N ranks of a communicator sit on a ring: rank r sends only to its right neighbour
-(r + 1) mod N and receives only from its left neighbour (r - 1) mod N. A buffer of L elements is
-cut into N blocks, block b living at elements [offset_b, offset_b + count_b).
+(r + 1) mod N and receives only from its left neighbour (r - 1) mod N (the all-to-all below is the
+exception: every rank has something for every other). A buffer of L elements is cut into N
+blocks, block b living at elements [offset_b, offset_b + count_b).
 
 Block layout (lengths not divisible by N). refimpl uses *counts*, not padding: block b has
     count_b = L // N + (1 if b < L % N else 0)
@@ -31,6 +33,20 @@ Broadcast is a chain along the ring: root -> root+1 -> ... -> root-1, each rank 
 whole buffer once, so every rank except (root - 1) mod N sends L * itemsize bytes (the minimum
 total, (N - 1) * L; unsegmented, so its latency grows with N).
 
+All-to-all (pairwise exchange; Thakur, Rabenseifner & Gropp, "Optimization of collective
+communication operations in MPICH", IJHPCA 19(1), 2005). Not a reduction and not a
+ring: every rank has a block *for* every rank. Rank r's sendbuf holds block j (sendcounts[j]
+elements) for rank j; its recvbuf receives block i (recvcounts[i] elements) from rank i, blocks
+laid end to end (displacements are the exclusive prefix sums of the counts, as in a contiguous
+MPI_Alltoallv; all-to-all is the case of equal counts). Rank r copies its own block locally, then
+runs N - 1 steps: in step s = 1 .. N-1 it sends its block for rank (r + s) mod N to that rank and
+receives rank (r - s) mod N's block for it, both at once (a sendrecv). In every step every rank
+sends exactly one block and receives exactly one, so no rank sits idle and no link carries two.
+Rank r sends every block except its own:
+    all-to-all bytes sent by rank r    = (sum_j sendcounts_j - sendcounts_r) * itemsize
+                                                           [= (N-1)/N * L * itemsize, equal blocks]
+Summed over all ranks: every element of every sendbuf except the N diagonal blocks.
+
 Summation order. Block b is summed along the ring starting after its owner and ending at it:
     result_b = (...((x_{b+1} + x_{b+2}) + x_{b+3}) + ...) + x_b          (rank indices mod N)
 so the result is deterministic and the same on every rank, but in floating point it can differ by
@@ -43,21 +59,27 @@ step's request handles, and continues (reducing what arrived) when the caller re
 blocking collectives drive the generator with wait-all; the non-blocking ones advance it one step
 each time the request is tested. The `link` argument is the comm's view of the ring for one
 collective call (`comm._RingLink`): `exchange(send, recv)` posts a send to the right and a
-receive from the left, counting the bytes sent under the collective's name.
+receive from the left, counting the bytes sent under the collective's name;
+`exchange(send, recv, dest=j, source=i)` does the same with other peers (the all-to-all's).
 
 Shapes in this module: L elements in the flat buffer, N ranks, count_b elements in block b,
-ceil(L/N) the largest block.
+ceil(L/N) the largest block; for all-to-all, sendcounts and recvcounts (N,), in elements.
 
 What production libraries do differently: NCCL and MPI split each block into pipelined chunks,
 use several rings or trees (double binary trees) across nodes, and pick the algorithm by message
-size; the byte count per rank stays the bandwidth-optimal 2(N-1)/N * L for all-reduce.
+size; the byte count per rank stays the bandwidth-optimal 2(N-1)/N * L for all-reduce. For
+all-to-all, MPICH uses Bruck's algorithm for short blocks (log2 N steps, each forwarding about half
+the buffer: fewer messages, more bytes) and posts every send and receive at once for medium ones;
+NCCL does the latter (grouped point-to-point). The pairwise exchange here is MPICH's choice for
+long blocks (with partner r XOR s when N is a power of two).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast")
+KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast")  # bytes_sent's: a function of L
+ALLTOALL_KINDS = ("alltoall", "alltoallv")  # alltoall_bytes_sent's: a function of the counts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,9 +125,22 @@ def bytes_sent(kind: str, length: int, size: int, rank: int, itemsize: int, root
         elements = 2 * length - block_count(length, size, rank) - block_count(length, size, (rank + 1) % size)
     elif kind == "bcast":
         elements = 0 if rank == (root - 1) % size else length
+    elif kind in ALLTOALL_KINDS:
+        raise ValueError(f"{kind} sends what the counts say, not a function of the length: "
+                         "use alltoall_bytes_sent(sendcounts, rank, itemsize)")
     else:
         raise ValueError(f"no ring byte formula for {kind!r}; known: {', '.join(KINDS)}")
     return elements * itemsize
+
+
+def alltoall_bytes_sent(sendcounts, rank: int, itemsize: int) -> int:
+    """Bytes rank `rank` sends in one all-to-all (or all-to-allv) with these sendcounts (N,).
+
+    Every block but its own: (sum_j sendcounts_j - sendcounts_rank) * itemsize. The counters' rule
+    for MPI's built-in Alltoall(v), and what the pairwise exchange below sends.
+    """
+    counts = [int(c) for c in sendcounts]
+    return (sum(counts) - counts[rank]) * itemsize
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,6 +206,23 @@ def bcast(link, buf, root: int):
         yield link.receive(buf)  # from the left neighbour
     if position < n - 1:
         yield link.send(buf)  # to the right neighbour
+
+
+def alltoallv(link, sendbuf, sendcounts, recvbuf, recvcounts):
+    """Pairwise all-to-all: block j of sendbuf (sendcounts[j],) to rank j; block i of recvbuf
+    (recvcounts[i],) from rank i. Counts are (N,) int64 arrays; sendbuf and recvbuf do not overlap.
+
+    Own block copied first, then N - 1 steps; step s sends to (r + s) mod N and receives from
+    (r - s) mod N. An empty block is still sent (a zero-length message), so both sides of every
+    pair always post their halves of the step.
+    """
+    n, r = link.size, link.rank
+    outgoing = _blocks(sendbuf, sendcounts, block_offsets(sendcounts))
+    incoming = _blocks(recvbuf, recvcounts, block_offsets(recvcounts))
+    incoming(r)[...] = outgoing(r)  # our block for ourselves: a local copy, never sent
+    for step in range(1, n):
+        dest, source = (r + step) % n, (r - step) % n
+        yield link.exchange(send=outgoing(dest), recv=incoming(source), dest=dest, source=source)
 
 
 def run(steps, wait_all) -> None:

@@ -18,7 +18,10 @@ Expected values are computed on every rank from every rank's data (all drawn fro
     in ring mode, also bit for bit the ring's documented order (ring.py: block b summed from rank
     b+1 around to b);
   * bytes: the ring formulas, written here independently with numpy.array_split, and their sum
-    over ranks, (N-1)*L per phase.
+    over ranks, (N-1)*L per phase;
+  * all-to-all: a matrix counts[i, j] of the elements rank i sends rank j, drawn from the seed
+    (zeros, and at N > 1 one rank that neither sends nor receives); received blocks exactly, bytes
+    as the sum of row r off the diagonal, and the summed bytes as the matrix off its diagonal.
 """
 
 from __future__ import annotations
@@ -115,6 +118,29 @@ def formula_bytes(kind: str, length: int, n: int, rank: int, itemsize: int, root
     return elements * itemsize
 
 
+def alltoall_counts(seed: int, n: int, most: int, equal: bool) -> np.ndarray:
+    """counts[i, j]: elements rank i sends rank j, (n, n) int64: all `most` (equal blocks), or drawn
+    in 0..most with extra zeros and one rank (at n > 1) that neither sends nor receives."""
+    if equal:
+        return np.full((n, n), most, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, most + 1, size=(n, n))
+    counts[rng.random((n, n)) < 0.25] = 0
+    if n > 1:
+        empty = int(rng.integers(n))
+        counts[empty, :] = counts[:, empty] = 0
+    return counts.astype(np.int64)
+
+
+def alltoall_received(sends: list, counts: np.ndarray, r: int) -> np.ndarray:
+    """What rank r receives: block r of every rank's sendbuf, in rank order."""
+    parts = []
+    for i, send in enumerate(sends):
+        start = int(counts[i, :r].sum())
+        parts.append(send[start : start + int(counts[i, r])])
+    return np.concatenate(parts)
+
+
 def close(got, want, dtype, exact):
     if exact:
         return np.array_equal(got, want)
@@ -142,6 +168,8 @@ def run_case(chk: Checker, world, case: dict) -> None:
             return request.result
         return request.wait()
 
+    if kind in ("alltoall", "alltoallv"):
+        return run_alltoall_case(chk, comm, case, label, finish)
     before = comm.counters.snapshot()
     if kind == "allreduce":
         buf = dev(x[r].copy())
@@ -179,6 +207,31 @@ def run_case(chk: Checker, world, case: dict) -> None:
     chk(delta == {kind: {"calls": 1, "bytes": expect}}, f"{label}: counted {delta}, formula {expect} bytes")
 
 
+def run_alltoall_case(chk: Checker, comm, case: dict, label: str, finish) -> None:
+    """alltoall: blocks of `length` elements; alltoallv: counts drawn in 0..length (alltoall_counts)."""
+    n, r = comm.size, comm.rank
+    kind, dtype, style = case["kind"], case["dtype"], case["style"]
+    counts = alltoall_counts(case["seed"], n, case["length"], equal=kind == "alltoall")  # (n, n)
+    sends = [contributions(case["seed"] + 1 + i, 1, int(counts[i].sum()), dtype, case["integer"])[0]
+             for i in range(n)]  # every rank's sendbuf
+    send = dev(sends[r].copy())
+    recv = dev(np.full(int(counts[:, r].sum()), np.nan if dtype.startswith("float") else -1, dtype=dtype))
+    before = comm.counters.snapshot()
+    if kind == "alltoall":
+        out = comm.alltoall(send, recv) if style == "blocking" else finish(comm.ialltoall(send, recv))
+    else:  # sendcounts a list, recvcounts an array: both are accepted
+        sendcounts, recvcounts = counts[r].tolist(), counts[:, r].copy()
+        out = (comm.alltoallv(send, sendcounts, recv, recvcounts) if style == "blocking"
+               else finish(comm.ialltoallv(send, sendcounts, recv, recvcounts)))
+    chk(out is recv, f"{label}: {kind} did not return its recvbuf")
+    want = alltoall_received(sends, counts, r)
+    chk(np.array_equal(host(recv), want), f"{label}: wrong blocks received")
+    chk(np.array_equal(host(send), sends[r]), f"{label}: {kind} modified sendbuf")
+    delta = comm.counters.since(before)
+    expect = sum(int(counts[r, j]) for j in range(n) if j != r) * np.dtype(dtype).itemsize  # own block not sent
+    chk(delta == {kind: {"calls": 1, "bytes": expect}}, f"{label}: counted {delta}, formula {expect} bytes")
+
+
 def default_cases(n: int) -> list[dict]:
     """Lengths around N (empty blocks, remainders), a few dtypes, all roots, three waiting styles."""
     lengths = sorted({0, 1, max(n - 1, 0), n, n + 1, 2 * n + 3, 1000, 4099})
@@ -194,6 +247,12 @@ def default_cases(n: int) -> list[dict]:
             root = i % n
             cases.append(dict(kind=kind, length=length, dtype=dtype, integer=integer, op=op, root=root,
                               mode=mode, style=next(styles), seed=1000 * i + n))
+    # all-to-all: `length` is the block length (alltoall) or the largest count (alltoallv)
+    moved = [("float64", False), ("float32", False), ("float16", True), ("int64", True), ("int32", True)]
+    for mode, kind in itertools.product(["mpi", "ring"], ["alltoall", "alltoallv"]):
+        for i, (length, (dtype, integer)) in enumerate(itertools.product([0, 1, 3, 300], moved)):
+            cases.append(dict(kind=kind, length=length, dtype=dtype, integer=integer, op="sum", root=0,
+                              mode=mode, style=next(styles), seed=7000 * i + n))
     return cases
 
 
@@ -202,7 +261,7 @@ def default_cases(n: int) -> list[dict]:
 
 def check_totals(chk, world) -> None:
     """Summed over ranks, each ring phase sends (N-1) * L elements, whatever L is."""
-    n = world.size
+    n, r = world.size, world.rank
     for mode, length in itertools.product(["mpi", "ring"], [0, 1, n + 1, 1001]):
         comm = world.with_collectives(mode)
         before = comm.counters.snapshot()
@@ -215,6 +274,16 @@ def check_totals(chk, world) -> None:
         for kind, phases in [("allreduce", 2), ("reduce_scatter", 1), ("allgather", 1), ("bcast", 1)]:
             total = sum(d.get(kind, {"bytes": 0})["bytes"] for d in everyone)
             chk(total == phases * (n - 1) * length * 8, f"{mode} {kind} L={length}: ranks sent {total} bytes in all")
+        # all-to-all: every element of every sendbuf but the diagonal blocks (int32: 4 bytes each)
+        counts = alltoall_counts(length, n, max(length, 1), equal=False)
+        before = comm.counters.snapshot()
+        comm.alltoallv(dev(np.ones(int(counts[r].sum()), np.int32)), counts[r],
+                       dev(np.zeros(int(counts[:, r].sum()), np.int32)), counts[:, r])
+        comm.alltoall(dev(np.ones(n * length, np.int32)))
+        everyone = world.allgather_object(comm.counters.since(before))
+        for kind, want in [("alltoallv", counts.sum() - np.trace(counts)), ("alltoall", (n - 1) * length * n)]:
+            total = sum(d.get(kind, {"bytes": 0})["bytes"] for d in everyone)
+            chk(total == want * 4, f"{mode} {kind} L={length}: ranks sent {total} bytes in all, not {want * 4}")
 
 
 def check_shapes_and_in_place(chk, world) -> None:
@@ -249,7 +318,11 @@ def check_many_in_flight(chk, world) -> None:
         shard = comm.ireduce_scatter(dev(np.arange(50.0) * (r + 1)))
         gathered = comm.iallgather(dev(np.full(2, float(r))))
         cast = comm.ibcast(dev(np.full(9, float(r))), root=n - 1)
-        everything = requests + [shard, gathered, cast]
+        exchanged = comm.ialltoall(dev(np.arange(n * 3.0) + 100 * r))  # (3N,): block j, 3 elements, to rank j
+        counts = np.add.outer(np.arange(n), 2 * np.arange(n))  # rank i sends i + 2j elements to rank j
+        scattered = comm.ialltoallv(dev(np.full(int(counts[r].sum()), float(r))), counts[r],
+                                    dev(np.zeros(int(counts[:, r].sum()))), counts[:, r])
+        everything = requests + [shard, gathered, cast, exchanged, scattered]
         order = everything if r % 2 == 0 else everything[::-1]
         while not commlib.test_all(order):
             pass
@@ -260,6 +333,40 @@ def check_many_in_flight(chk, world) -> None:
         chk(np.array_equal(host(gathered.result), np.repeat(np.arange(n, dtype=float), 2)),
             f"{mode}: in-flight allgather")
         chk(np.array_equal(host(cast.result), np.full(9, n - 1.0)), f"{mode}: in-flight bcast")
+        chk(np.array_equal(host(exchanged.result), np.concatenate([np.arange(3.0 * r, 3.0 * r + 3) + 100 * i
+                                                                   for i in range(n)])), f"{mode}: in-flight alltoall")
+        chk(np.array_equal(host(scattered.result), np.repeat(np.arange(n, dtype=float), counts[:, r])),
+            f"{mode}: in-flight alltoallv")
+
+
+def check_expert_exchange(chk, world) -> None:
+    """Mixture-of-experts dispatch and combine: counts first (alltoall, one int64 per rank), then
+    token rows (alltoallv, counts in elements), and back again; the round trip gives every token back."""
+    n, r = world.size, world.rank
+    hidden = 5
+
+    def draw(i):  # rank i's tokens (T_i, hidden) and the rank holding each one's expert (T_i,), grouped
+        rng = np.random.default_rng(17 + i)
+        tokens = int(rng.integers(0, 12)) if i != n - 1 else 0  # the last rank has no tokens
+        owner = np.sort(rng.integers(0, n, tokens))
+        return np.arange(tokens * hidden, dtype=np.float32).reshape(tokens, hidden) + 1000 * i, owner
+
+    rows, owner = draw(r)
+    for mode in ["mpi", "ring"]:
+        comm = world.with_collectives(mode)
+        send_rows = np.bincount(owner, minlength=n).astype(np.int64)  # (N,) tokens for each rank
+        recv_rows = host(comm.alltoall(dev(send_rows)))  # (N,) tokens from each rank
+        want_rows = [int(np.sum(draw(i)[1] == r)) for i in range(n)]
+        chk(recv_rows.tolist() == want_rows, f"{mode}: expert counts exchanged: {recv_rows.tolist()}, not {want_rows}")
+        arrived = dev(np.zeros((int(recv_rows.sum()), hidden), np.float32))  # (T_in, hidden)
+        request = comm.ialltoallv(dev(rows), send_rows * hidden, arrived, dev(recv_rows * hidden))  # device counts
+        while not request.test():
+            pass
+        want = np.concatenate([draw(i)[0][draw(i)[1] == r] for i in range(n)])
+        chk(np.array_equal(host(arrived), want), f"{mode}: tokens dispatched to their experts' ranks")
+        back = dev(np.zeros_like(rows))
+        comm.alltoallv(arrived, recv_rows * hidden, back, send_rows * hidden)  # combine: the reverse exchange
+        chk(np.array_equal(host(back), rows), f"{mode}: tokens combined back")
 
 
 def check_point_to_point(chk, world) -> None:
@@ -367,6 +474,20 @@ def check_bad_input(chk, world) -> None:
     chk.raises(lambda: world.reduce_scatter(shared, shared[:2]), ValueError, "overlap", "overlapping buffers")
     chk.raises(lambda: world.allgather(np.ones(5), np.zeros(2 * n)), ValueError, "sendbuf has 5", "send size")
     chk.raises(lambda: world.bcast(np.ones(2), root=n), ValueError, f"root={n}", "bad root")
+    if n > 1:
+        chk.raises(lambda: world.alltoall(np.ones(n + 1)), ValueError,
+                   f"alltoall: sendbuf has {n + 1} elements, not a multiple of the {n} ranks", "alltoall unequal")
+    ones = [1] * n
+    chk.raises(lambda: world.alltoallv(np.ones(n), ones + [0], np.zeros(n), ones), ValueError,
+               f"alltoallv: sendcounts must hold {n} counts, one per rank, but has shape ({n + 1},)", "counts length")
+    chk.raises(lambda: world.alltoallv(np.ones(n), ones, np.zeros(n), [-1] + [1] * (n - 1)), ValueError,
+               "alltoallv: recvcounts[0] = -1 is negative", "negative count")
+    chk.raises(lambda: world.alltoallv(np.ones(n), [2] + [1] * (n - 1), np.zeros(n), ones), ValueError,
+               f"alltoallv: sendcounts sum to {n + 1} elements, but sendbuf has {n}", "counts vs sendbuf")
+    chk.raises(lambda: world.alltoallv(np.ones(n), ones, np.zeros(n), np.full(n, 1.0)), ValueError,
+               "recvcounts must be integers", "float counts")
+    chk.raises(lambda: world.alltoallv(np.ones(n), ones, np.zeros(n, np.float32), ones), ValueError,
+               "alltoallv: sendbuf is float64 but recvbuf is float32", "alltoallv dtype mismatch")
     chk.raises(lambda: world.send(np.ones(2), dest=-1), ValueError, "dest=-1", "bad dest")
     chk.raises(lambda: world.isend(np.ones(2), dest=0, tag=10**6), ValueError, "tag=", "bad tag")
     chk.raises(lambda: commlib.get_world("tree"), ValueError, "unknown collectives", "bad collectives")
@@ -412,6 +533,7 @@ def main() -> None:
         check_totals(chk, world)
         check_shapes_and_in_place(chk, world)
         check_many_in_flight(chk, world)
+        check_expert_exchange(chk, world)
         check_point_to_point(chk, world)
         check_split_and_mesh(chk, world)
         check_bad_input(chk, world)
