@@ -189,6 +189,13 @@ HOST_BY_DESIGN = {
     "nn/module.py": ({"asarray"}, "load_state_dict reads host arrays"),
     "commands/tensor_parallel.py": ({"random.default_rng"}, "the measured block's input is drawn on the host, then "
                                                             "moved with backend.asarray"),
+    "nn/experts.py": ({"add.at", "arange", "argsort", "bincount", "cumsum", "full", "ones", "repeat",
+                       "take_along_axis", "zeros"},
+                      "routing is bookkeeping on the host (top-K, the sort by expert, counts, capacity): small "
+                      "integer arrays; the rows themselves stay on the device (indices moved with backend.asarray)"),
+    "parallel/experts.py": ({"arange", "argsort", "asarray", "concatenate", "cumsum"},
+                            "the row counts and the (source, expert) order are host bookkeeping; the indices are "
+                            "moved with backend.asarray"),
     "parallel/tensor_parallel/gpt.py": ({"asarray", "concatenate", "moveaxis", "stack", "zeros"},
                                         "slices are cut from the host initialisation and put back together on "
                                         "the host (Split.shard / Split.whole: construction and verification)"),

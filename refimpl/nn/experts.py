@@ -123,11 +123,11 @@ class MoE(Module):
         if self.capacity_factor is not None:
             keep = keep_within_capacity(chosen, T, E, math.ceil(self.capacity_factor * K * T / E))
         rows = np.arange(B * T)
-        gates = probs[rows[:, None], chosen]  # (N, K)
+        gates = probs[backend.asarray(rows[:, None]), backend.asarray(chosen)]  # (N, K)
         gates = gates / gates.sum(axis=-1, keepdims=True)
         kept = order[keep.reshape(-1)[order]]  # assignments that fit, grouped by expert
         kept_counts = np.bincount(chosen.reshape(-1)[kept], minlength=E)  # (E,)
-        x_sorted = tokens[kept // K]  # (n, C): the tokens of expert 0, then of expert 1, ...
+        x_sorted = tokens[backend.asarray(kept // K)]  # (n, C): the tokens of expert 0, then of expert 1, ...
         if self.experts_runner is None:
             y_sorted = self.run_experts(x_sorted, kept_counts)
         else:
