@@ -127,6 +127,8 @@ def test_tp_bytes_per_step_equal_the_formula_and_whole_parameters_stay_equal(tmp
     for r in results:
         assert r["measured"] == r["expected"], r
         assert r["whole_equal"], r["flags"]
+        assert all(ok in (None, True) for ok in r["ledger_equals_formula"]), r
+        assert ("--zero" in r["flags"] or "--pp" in r["flags"]) or all(r["ledger_equals_formula"]), r
         assert all(sum(m.values()) > 0 for m in r["measured"]), r  # every rank communicated
 
 

@@ -8,7 +8,9 @@ CONFIGS.json: a list of train flag lists with --tp (and --pp, --sequence-paralle
   * bytes sent on the tp group in the second step == formulas.bytes_per_step, by kind
     (allreduce, allgather, reduce_scatter), for this rank's stages;
   * the parameters held whole on every tp rank (layer norms, row-parallel biases, wpe) are equal,
-    bit for bit, across the group after the steps (nothing drifts apart).
+    bit for bit, across the group after the steps (nothing drifts apart);
+  * data parallel without a pipeline: the memory ledger's model state on every rank is
+    (P + G + K)·Ψ_rank with Ψ_rank = formulas.parameters_per_rank (float32/64 AdamW: K = 2P).
 
 Rank 0 prints one JSON list: {"flags", "measured", "expected", "whole_equal"} per configuration
 (measured/expected: every rank's {kind: bytes}).
@@ -25,7 +27,7 @@ from refimpl.checkpointing.plans import actions_for
 from refimpl.commands.train import add_arguments, config_from_args
 from refimpl.console import emit_json
 from refimpl.parallel.comm import get_world
-from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step, parameters_per_rank
 from refimpl.train import build_model, build_task, make_trainer
 
 KINDS = ("allreduce", "allgather", "reduce_scatter")
@@ -68,13 +70,20 @@ def check(world, flags: list) -> dict:
                       recomputed_blocks=recomputed_blocks(cfg.checkpoint, blocks),
                       restored_inputs=restores(cfg.checkpoint, blocks) if cfg.partition_activations else 0)
     expected = bytes_per_step(shape, cfg.sequence_parallel, cfg.tp, np.dtype(cfg.dtype).itemsize)
+    ledger_ok = None  # data parallel, one stage: the ledger's model state = formulas.parameters_per_rank
+    if cfg.zero == 0 and cfg.pp == 1:
+        psi = sum(parameters_per_rank(11, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.tp).values())
+        itemsize = np.dtype(cfg.dtype).itemsize
+        ledger_ok = trainer.model_state_bytes() == {"parameters": itemsize * psi, "gradients": itemsize * psi,
+                                                    "optimizer_states": 2 * itemsize * psi}  # AdamW: m and v
     tp = trainer.tensor_parallel
     whole = {name: backend.to_host(a) for name, a in trainer.sharding.whole_parameters().items()
              if name not in tp.splits}  # whole over the data-parallel group (ZeRO-3 holds shards)
     gathered = tp_comm.allgather_object(whole)
     equal = all(np.array_equal(other[name], whole[name]) for other in gathered for name in whole)
     return {"flags": flags, "measured": world.allgather_object(measured),
-            "expected": world.allgather_object(expected), "whole_equal": all(world.allgather_object(equal))}
+            "expected": world.allgather_object(expected), "whole_equal": all(world.allgather_object(equal)),
+            "ledger_equals_formula": world.allgather_object(ledger_ok)}
 
 
 def main() -> None:
