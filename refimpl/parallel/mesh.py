@@ -30,8 +30,9 @@ fastest, then data parallel, pipeline slowest):
     rank is e_d): the experts' gradients are summed here, the other parameters' over dp_comm.
 
 With tp = 1 this is Megatron-LM's dp x pp order too: replica d of stage p is rank p · dp + d, so
-the ranks of one pipeline are dp apart. (Later Megatron versions insert context and expert
-parallelism between tp and dp; refimpl has neither axis yet.)
+the ranks of one pipeline are dp apart. (Later Megatron versions order tp, cp, ep, dp, pp, with
+context parallelism, which refimpl does not have, and expert parallelism as an axis of its own;
+refimpl's ep groups are neighbouring data-parallel replicas, which gives the same ranks.)
 """
 
 from __future__ import annotations
