@@ -94,6 +94,7 @@ class TrainConfig:
     capacity_factor: float | None = None
     aux_coef: float = 0.01
     ep: int = 1  # expert-parallel ranks (refimpl/parallel/experts.py), inside the data-parallel group
+    overlap: bool = True  # DualPipe's F&B steps interleave F and B at their all-to-alls (pipeline/overlap.py)
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -379,7 +380,7 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
                    prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
                    checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace,
                    tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
-                   partition_activations=cfg.partition_activations, ep=cfg.ep)
+                   partition_activations=cfg.partition_activations, ep=cfg.ep, overlap=cfg.overlap)
 
 
 def get_world(cfg: TrainConfig):

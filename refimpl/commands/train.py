@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, metavar="P",
                    help="expert-parallel ranks: each holds experts/P of them, tokens travel by all-to-all; P divides "
                         "the data-parallel degree (default 1)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
+                   help="run DualPipe's F&B steps as F then B (default: interleaved at the experts' all-to-alls)")
     p.add_argument("--aux-coef", type=float, default=0.01, metavar="A",
                    help="weight of the load-balancing loss (Switch Transformer's alpha, default 0.01)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",

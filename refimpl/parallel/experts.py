@@ -46,6 +46,8 @@ from refimpl.autograd import grad_mode
 from refimpl.autograd.function import Function
 from refimpl.nn.module import Module
 
+from .pipeline.overlap import pause
+
 
 class AllToAll(Function):
     """Rows (n, C) in blocks of send_counts[j] rows for rank j -> rows from every rank, recv_counts[s] from s."""
@@ -59,11 +61,16 @@ class AllToAll(Function):
 
 
 def exchange(comm, rows, send_counts, recv_counts):
-    """all-to-all(v) of contiguous row blocks: (Σ send_counts, C) -> (Σ recv_counts, C)."""
+    """all-to-all(v) of contiguous row blocks: (Σ send_counts, C) -> (Σ recv_counts, C).
+
+    Non-blocking, and a pause point: inside an overlapped F&B step (pipeline/overlap.py) the other
+    micro-batch's task computes while these rows travel."""
     width = rows.shape[1]
     out = backend.xp().empty((int(sum(recv_counts)), width), dtype=rows.dtype)
-    comm.alltoallv(backend.xp().ascontiguousarray(rows), [int(n) * width for n in send_counts], out,
-                   [int(n) * width for n in recv_counts])
+    request = comm.ialltoallv(backend.xp().ascontiguousarray(rows), [int(n) * width for n in send_counts], out,
+                              [int(n) * width for n in recv_counts])
+    pause(request)
+    request.wait()
     return out
 
 

@@ -89,7 +89,7 @@ class Trainer:
                  param_threshold: int = 0, precision: str = "float32", clip: float = 0.0, checkpoint=None,
                  budget: int | None = None, action_costs=None, trace: str | None = None, layers=(),
                  tp: int = 1, sequence_parallel: bool = False, partition_activations: bool = False,
-                 ep: int = 1) -> None:
+                 ep: int = 1, overlap: bool = True) -> None:
         if not isinstance(pp, int) or pp < 1:
             raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
         from .tensor_parallel.gpt import check_options  # noqa: PLC0415
@@ -151,7 +151,8 @@ class Trainer:
                 for stage in self.all_stages.values():
                     stage.checkpoint_store = store
         self.stages = {s: self.all_stages[s] for s in placement.stages_of(p)}
-        self.executor = PipelineExecutor(self.schedule, p, self.mesh.pp_comm, self.stages, self.costs)
+        self.executor = PipelineExecutor(self.schedule, p, self.mesh.pp_comm, self.stages, self.costs,
+                                         overlap=overlap and zero != 3)  # ZeRO-3's gather-ahead: one order
         # The lowest pipeline rank holding a stage counts it (global norm) and writes it (records, checkpoints).
         self.primary = {s: min(placement.ranks_of(s)) for s in range(S)}
         self.counts_its_stages = all(self.primary[s] == p for s in self.stages)

@@ -41,7 +41,7 @@ MAY_CHANGE = frozenset({
     "zero", "grad_accum", "collectives", "dp_mode", "bucket_bytes",  # how the global batch's gradient is summed
     "prefetch", "param_threshold", "mem_budget", "checkpoint",  # memory: gathering, budgets, recomputation
     "pp", "schedule", "micro_batches", "chunks", "action_costs", "trace",  # the pipeline's layout
-    "tp", "sequence_parallel", "partition_activations", "ep",  # tensor and expert parallelism: the same model
+    "tp", "sequence_parallel", "partition_activations", "ep", "overlap",  # tp, ep, F&B overlap: the same model
 })
 
 

@@ -59,11 +59,15 @@ makespan minus the sum of the rank's step times — can be set beside the simula
 `simulate.Costs`, in seconds): the run then shows the schedule's own bubble rather than CPU
 contention; a step whose computation alone exceeds its cost is counted in `overruns`.
 
-Production executors differ: F&B really overlaps one micro-batch's communication (all-to-all in
-DualPipe) with the other's computation on separate CUDA streams, messages go over NCCL on GPU
-streams rather than through host MPI, and a stage's output is freed as soon as it is sent
-(Megatron-LM's deallocate_output_tensor). Here F&B runs F then B, and the time it takes is the
-step's cost.
+Overlapped F&B (overlap=True): the F and the B of a DualPipe / DualPipeV F&B step run as two
+cooperative threads that hand over at every all-to-all of a mixture of experts (overlap.py), so one
+micro-batch's expert-parallel communication is in flight while the other computes; without
+all-to-alls (no experts), or with overlap=False, F&B runs F then B. The numbers are the same
+either way, bit for bit.
+
+Production executors differ: F&B overlaps on separate CUDA streams (communication kernels run
+while compute kernels do), messages go over NCCL on GPU streams rather than through host MPI, and a
+stage's output is freed as soon as it is sent (Megatron-LM's deallocate_output_tensor).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ from refimpl.autograd.tensor import Tensor
 from refimpl.parallel import watchdog
 
 from .actions import Action, Message, Overlapped, Schedule, format_action, messages_of
+from .overlap import Interleaver
 from .render import step_label
 
 KIND_INDEX = {"act": 0, "grad": 1}
@@ -137,7 +142,7 @@ class PipelineExecutor:
     costs:  None (measure the real computation) or a simulate.Costs in seconds (sleep-cost mode).
     """
 
-    def __init__(self, schedule: Schedule, rank: int, comm, stages: dict, costs=None) -> None:
+    def __init__(self, schedule: Schedule, rank: int, comm, stages: dict, costs=None, overlap: bool = False) -> None:
         placement = schedule.placement
         missing = set(placement.stages_of(rank)) - set(stages)
         if missing:
@@ -147,6 +152,8 @@ class PipelineExecutor:
                              f"the schedule needs rank {rank} of {schedule.pp}")
         self.schedule, self.rank, self.comm, self.stages = schedule, rank, comm, stages
         self.costs = costs
+        self.overlap = overlap  # F&B steps: interleave F and B at their all-to-alls (overlap.py)
+        self.switches = 0  # task switches of overlapped steps in the last run
         S = schedule.num_stages
         # Per stage: its last action that accumulates parameter gradients (B, or the W of a split one).
         last = {action.stage: action for action in schedule.actions(rank) if action.kind in ("B", "W")}
@@ -205,19 +212,29 @@ class PipelineExecutor:
             channel.pending = deque(channel.queue)
             self._post_head(channel, xp)
 
+        self.switches = 0
         for step, recvs, sends, label, kind in self.program:
             for msg in recvs:
                 self._take(msg, xp)
             start = clock()
-            parts = []
-            for action in step.parts:
-                begin = clock()
+            parts = [None] * len(step.parts)  # (label, begin, end) of each action
+
+            def run_action(i):
+                action, begin = step.parts[i], clock()
                 if around is None:
                     self._do(action)
                 else:
                     with around(action, action in self.last_backward):
                         self._do(action)
-                parts.append((format_action(action, short=True), begin - t0, clock() - t0))
+                parts[i] = (format_action(action, short=True), begin - t0, clock() - t0)
+
+            if self.overlap and kind == "F&B":  # F and B interleaved at their all-to-alls (overlap.py)
+                interleaver = Interleaver()
+                interleaver.run(lambda: run_action(0), lambda: run_action(1))
+                self.switches += interleaver.switches
+            else:
+                for i in range(len(step.parts)):
+                    run_action(i)
             compute = clock() - start
             if self.costs is not None:
                 cost = float(self.costs.of(step))
