@@ -54,7 +54,8 @@ def exercises_of(path: Path) -> tuple[dict, list, dict]:
 def test_there_are_tutorials():
     names = [p.stem for p in TUTORIALS]
     for expected in ("01_autograd", "02_gpt", "03_collectives", "04_data_parallel", "05_zero", "06_checkpointing",
-                     "07_pipeline_schedules", "08_zero_bubble", "09_everything_together", "10_tensor_parallel"):
+                     "07_pipeline_schedules", "08_zero_bubble", "09_everything_together", "10_tensor_parallel",
+                     "11_experts_and_overlap"):
         assert expected in names
 
 
@@ -194,6 +195,63 @@ def _qkv_contiguous(qkv_weight, qkv_bias, n_head, r, t):
     return qkv_weight[r * n:(r + 1) * n], qkv_bias[r * n:(r + 1) * n]
 
 
+def _dispatch(chosen, n_experts, unstable=False, inverse_is_order=False, counts_from_tokens=False):
+    """A dispatch_indices answer for tutorial 11, right by default, with the mistakes asked for."""
+    import numpy as np
+
+    flat = chosen.reshape(-1)
+    stable = np.argsort(flat, kind="stable")
+    order = np.lexsort((-np.arange(len(flat)), flat)) if unstable else stable  # unstable: token order reversed
+    counts = np.bincount(chosen[:, 0] if counts_from_tokens else flat, minlength=n_experts)
+    inverse = order.copy() if inverse_is_order else np.argsort(order, kind="stable")
+    return order, counts, inverse.reshape(chosen.shape)
+
+
+def _interleave(forward, backward, switch_before=False):
+    """An overlapped_order answer: the Interleaver's order, or one that switches before each all-to-all starts."""
+    from harness.experts import is_alltoall
+
+    tasks, pos, turn, order = {"F": forward, "B": backward}, {"F": 0, "B": 0}, "F", []
+    while len(order) < len(forward) + len(backward):
+        other = "B" if turn == "F" else "F"
+        if pos[turn] == len(tasks[turn]):
+            turn = other
+            continue
+        chunk = tasks[turn][pos[turn]]
+        pos[turn] += 1
+        order.append((turn, chunk))
+        upcoming = tasks[turn][pos[turn]] if pos[turn] < len(tasks[turn]) else None
+        switch = (upcoming is not None and is_alltoall(upcoming)) if switch_before else is_alltoall(chunk)
+        if switch and pos[other] < len(tasks[other]):
+            turn = other
+    return order
+
+
+def _interleave_b_in_forward_order(forward, backward):
+    chunks = iter(reversed(backward))
+    return [(t, c if t == "F" else next(chunks)) for t, c in _interleave(forward, backward)]
+
+
+def _all_alltoalls_exposed(order, cost):
+    from harness.experts import is_alltoall
+
+    return sum(cost(t, c) for t, c in order if is_alltoall(c))
+
+
+def _exposed_without_final_wait(order, cost):
+    from harness.experts import is_alltoall
+
+    clock = busy = 0
+    arrives = {"F": 0, "B": 0}
+    for task, chunk in order:
+        start = max(clock, arrives[task])
+        if is_alltoall(chunk):
+            clock, arrives[task] = start, start + cost(task, chunk)
+        else:
+            clock, busy = start + cost(task, chunk), busy + cost(task, chunk)
+    return clock - busy  # the end forgets an all-to-all still in flight
+
+
 def _wrong_one_f_one_b(pp, m):
     return [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)] for _ in range(pp)]  # GPipe's order
 
@@ -236,6 +294,18 @@ WRONG = [
     ("tensor_parallel", "check_mlp_slices", _mlp_slices_by_input, "the output features are the ROWS of w"),
     ("tensor_parallel", "check_mlp_slices", _mlp_slices_bias_cut, "proj_bias on rank 0 of 2 has shape (2,)"),
     ("tensor_parallel", "check_qkv_slices", _qkv_contiguous, "A contiguous block of the fused weight mixes"),
+    ("experts", "check_dispatch_indices", lambda c, e: _dispatch(c, e, unstable=True), "the sort must be stable"),
+    ("experts", "check_dispatch_indices", lambda c, e: _dispatch(c, e, inverse_is_order=True),
+     "your inverse is the order itself"),
+    ("experts", "check_dispatch_indices", lambda c, e: _dispatch(c, e, counts_from_tokens=True),
+     "add up to N = 6, the tokens"),
+    ("experts", "check_overlapped_order", lambda f, b: _interleave(f, b, switch_before=True),
+     "switching before it starts leaves nothing in flight"),
+    ("experts", "check_overlapped_order", _interleave_b_in_forward_order, "B's chunks run out of order"),
+    ("experts", "check_overlapped_order", lambda f, b: [("F", c) for c in f] + [("B", c) for c in b],
+     "your order never switches"),
+    ("experts", "check_exposed_time", _all_alltoalls_exposed, "You counted every all-to-all as exposed"),
+    ("experts", "check_exposed_time", _exposed_without_final_wait, "the step ends only when it has arrived"),
 ]
 
 
