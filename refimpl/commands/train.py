@@ -52,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step and replica (default 2 x pp)")
     p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved only; default 2)")
     p.add_argument("--action-costs", metavar="F=0.02,I=0.02,W=0.02",
-                   help="pipeline sleep-cost mode: pad every step to these seconds (B=I+W, FB=F+B unless given)")
+                   help="pipeline sleep-cost mode: pad every step to these seconds (B=I+W, FB=F+B unless given); "
+                        "link-delay mode: P=s delivers each pipeline message s after its send, A=s completes each "
+                        "all-to-all s after its start")
     p.add_argument("--trace", metavar="FILE", help="write the last step's measured pipeline timeline (Chrome trace)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per layer (a GPT; Megatron-LM); "
                    "data parallel = world size / (pp x tp)")

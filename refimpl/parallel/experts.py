@@ -39,6 +39,8 @@ gradients are summed there; every other parameter over the whole data-parallel g
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from refimpl import backend
@@ -46,6 +48,7 @@ from refimpl.autograd import grad_mode
 from refimpl.autograd.function import Function
 from refimpl.nn.module import Module
 
+from .pipeline.overlap import link as current_link
 from .pipeline.overlap import pause
 
 
@@ -64,13 +67,22 @@ def exchange(comm, rows, send_counts, recv_counts):
     """all-to-all(v) of contiguous row blocks: (Σ send_counts, C) -> (Σ recv_counts, C).
 
     Non-blocking, and a pause point: inside an overlapped F&B step (pipeline/overlap.py) the other
-    micro-batch's task computes while these rows travel."""
+    micro-batch's task computes while these rows travel. Inside an executor run its Link times it:
+    the chunk before it ends here (sleep-cost mode pads it), the wait is exposed communication, and
+    in link-delay mode it completes no earlier than costs.A after its start."""
     width = rows.shape[1]
     out = backend.xp().empty((int(sum(recv_counts)), width), dtype=rows.dtype)
+    link = current_link()
+    if link is not None:
+        link.boundary()
+    started = time.perf_counter()
     request = comm.ialltoallv(backend.xp().ascontiguousarray(rows), [int(n) * width for n in send_counts], out,
                               [int(n) * width for n in recv_counts])
     pause(request)
-    request.wait()
+    if link is None:
+        request.wait()
+    else:
+        link.complete(request, started)
     return out
 
 
@@ -89,6 +101,8 @@ class LocalExperts(Module):
 
 class ExpertParallel:
     """The runner of one MoE layer's experts over an expert-parallel group (MoE.experts_runner)."""
+
+    exchanges = 2  # all-to-alls of rows per forward (dispatch, combine); a backward sends both back
 
     def __init__(self, moe, comm) -> None:
         E, P = moe.n_experts, comm.size

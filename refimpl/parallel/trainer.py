@@ -61,7 +61,7 @@ from refimpl.objective import count_targets, split_batch
 
 from .mesh import Mesh
 from .pipeline import timeline as tl
-from .pipeline.executor import PipelineExecutor, replay_peak
+from .pipeline.executor import PipelineExecutor, replay_peak, stage_exchanges
 from .pipeline.schedules import build
 from .pipeline.simulate import Costs
 from .pipeline.stage import split_model
@@ -153,6 +153,8 @@ class Trainer:
         self.stages = {s: self.all_stages[s] for s in placement.stages_of(p)}
         self.executor = PipelineExecutor(self.schedule, p, self.mesh.pp_comm, self.stages, self.costs,
                                          overlap=overlap and zero != 3)  # ZeRO-3's gather-ahead: one order
+        # all-to-alls per forward of every stage: the simulator's chunk model of exposed communication
+        self.exchanges = {s: stage_exchanges(stage) for s, stage in self.all_stages.items()}
         # The lowest pipeline rank holding a stage counts it (global norm) and writes it (records, checkpoints).
         self.primary = {s: min(placement.ranks_of(s)) for s in range(S)}
         self.counts_its_stages = all(self.primary[s] == p for s in self.stages)
@@ -200,6 +202,7 @@ class Trainer:
         self.steps_done = 0  # the global batch's number (dropout masks are keyed by it)
         self.last_stats = None  # (pp, len(STAT_FIELDS)) figures of the last step, this pipeline's ranks
         self.last_steps = None  # every rank's StepTime list of the last step (only with a trace)
+        self.last_comm = None  # every rank's communication events of the last step (overlap.Link; with a trace)
 
     # ------------------------------------------------------------------------------------------
     def step(self, x, y) -> float:
@@ -386,10 +389,14 @@ class Trainer:
                               self.model_state_bytes())
         gathered = self.mesh.pp_comm.allgather(stats)  # (pp · fields,)
         self.last_stats = gathered.reshape(self.pp, len(tl.STAT_FIELDS))
-        if self.trace:
-            self.last_steps = self.mesh.pp_comm.allgather_object(record.steps)  # a diagnostic, not the hot path
+        if self.trace:  # a diagnostic, not the hot path
+            gathered = self.mesh.pp_comm.allgather_object((record.steps, record.comm))
+            self.last_steps = [steps for steps, _ in gathered]
+            self.last_comm = [comm for _, comm in gathered]
             if self.rank == 0:
-                tl.write_trace(self.trace, tl.chrome_trace(self.schedule, self.last_steps, self.timing_mode))
+                tl.write_trace(self.trace, tl.chrome_trace(self.schedule, self.last_steps, self.timing_mode,
+                                                           self.last_comm, self.costs, self.exchanges,
+                                                           self.executor.overlap))
 
     def model_state_bytes(self) -> dict:
         """{"parameters", "gradients", "optimizer_states"}: bytes of model state this rank holds."""
@@ -397,10 +404,12 @@ class Trainer:
         return {k: int(current.get(k, 0)) for k in ("parameters", "gradients", "optimizer_states")}
 
     def timing(self) -> dict | None:
-        """Measured vs simulated idle of the last step (timeline.summarize), or None before any step."""
+        """Measured vs simulated idle and exposed communication of the last step (timeline.summarize),
+        or None before any step."""
         if self.last_stats is None:
             return None
-        return tl.summarize(self.schedule, self.last_stats, self.timing_mode)
+        return tl.summarize(self.schedule, self.last_stats, self.timing_mode, self.costs, self.exchanges,
+                            self.executor.overlap)
 
     def report(self) -> dict:
         """What train --json and verify --json print about the trainer (local: no communication)."""

@@ -65,6 +65,20 @@ micro-batch's expert-parallel communication is in flight while the other compute
 all-to-alls (no experts), or with overlap=False, F&B runs F then B. The numbers are the same
 either way, bit for bit.
 
+Exposed communication and the link-delay mode (overlap.Link). Every run measures the time this
+rank is blocked waiting for messages: pipeline receives (`record.exposed["pipeline"]`: start-up,
+bubbles and link delay) and all-to-alls (`record.exposed["all_to_all"]`). With costs.P > 0 a
+pipeline message counts as delivered P seconds after its send: each message carries one extra
+element, the sender's send time in seconds since its t0 (float32 or float64 like the message:
+exact to well under a microsecond for runs of seconds), and the receiver's wait lasts until its own
+t0 + send time + P. With costs.A > 0 an all-to-all completes no earlier than A after its start.
+In sleep-cost mode an action with k all-to-alls (`stage_exchanges`: two per expert-parallel MoE
+layer, in F, B and I; none in W) is k + 1 chunks of cost/(k + 1), padded at its all-to-alls, and
+its step is not padded further (an F&B of such actions lasts what its F and B chunks and waits
+make it: FB is not used); a step without all-to-alls is padded to its cost as before. Those are
+the simulator's chunk model (simulate.run_step), so simulate(schedule, costs, exchanges=...,
+overlap=...) predicts every measured wait.
+
 Production executors differ: F&B overlaps on separate CUDA streams (communication kernels run
 while compute kernels do), messages go over NCCL on GPU streams rather than through host MPI, and a
 stage's output is freed as soon as it is sent (Megatron-LM's deallocate_output_tensor).
@@ -72,6 +86,7 @@ stage's output is freed as soon as it is sent (Megatron-LM's deallocate_output_t
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -83,8 +98,9 @@ from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
 from refimpl.parallel import watchdog
 
+from . import overlap as overlapping
 from .actions import Action, Message, Overlapped, Schedule, format_action, messages_of
-from .overlap import Interleaver
+from .overlap import Interleaver, Link
 from .render import step_label
 
 KIND_INDEX = {"act": 0, "grad": 1}
@@ -114,7 +130,10 @@ class RunRecord:
     steps: list[StepTime] = field(default_factory=list)
     loss: float = 0.0  # Σ of this rank's micro-batch losses (last-stage ranks), in the global normalisation
     activation_bytes: dict = field(default_factory=dict)  # (stage, mb) -> bytes its F saved
-    overruns: int = 0  # steps whose computation took longer than their fixed cost
+    overruns: int = 0  # steps (or chunks of actions with all-to-alls) whose computation exceeded their cost
+    exposed: dict = field(default_factory=lambda: {"pipeline": 0.0, "all_to_all": 0.0})  # seconds blocked
+    exchanges: int = 0  # all-to-alls waited for
+    comm: list = field(default_factory=list)  # overlap.Link events: (lane, name, start, end)
 
     @property
     def busy(self) -> float:
@@ -123,6 +142,15 @@ class RunRecord:
     @property
     def end(self) -> float:
         return self.steps[-1].end if self.steps else 0.0
+
+
+def stage_exchanges(stage) -> int:
+    """All-to-alls in one forward of `stage` (a backward has as many): those of its expert-parallel
+    MoE layers (ExpertParallel.exchanges each: dispatch and combine)."""
+    layers = getattr(stage, "layers", None)
+    roots = list(layers) if layers is not None else [getattr(stage, "model", None)]
+    return sum(getattr(getattr(module, "experts_runner", None), "exchanges", 0)
+               for root in roots if hasattr(root, "modules") for module in root.modules())
 
 
 class _Channel:
@@ -152,6 +180,9 @@ class PipelineExecutor:
                              f"the schedule needs rank {rank} of {schedule.pp}")
         self.schedule, self.rank, self.comm, self.stages = schedule, rank, comm, stages
         self.costs = costs
+        self.link_delay = float(costs.P) if costs is not None else 0.0  # link-delay mode: see the docstring
+        self.a2a_delay = float(costs.A) if costs is not None else 0.0
+        self.exchanges = {s: stage_exchanges(stage) for s, stage in stages.items()}  # all-to-alls per forward
         self.overlap = overlap  # F&B steps: interleave F and B at their all-to-alls (overlap.py)
         self.switches = 0  # task switches of overlapped steps in the last run
         S = schedule.num_stages
@@ -202,6 +233,14 @@ class PipelineExecutor:
         self._inputs, self._loss_fn, self._x_shape, self._record = inputs, loss_fn, tuple(x_shape), record
         self._context = forward_context or (lambda mb: nullcontext())
         self._loss_scale = loss_scale
+        self._t0, self._link = t0, Link(t0, self.a2a_delay, clock)  # exposed waits, delays, chunks
+        with overlapping.running(self._link):  # (experts.exchange finds it there)
+            self._run(record, around, xp, clock, t0)
+        link = self._link
+        record.exposed, record.exchanges, record.comm = dict(link.exposed), link.exchanges, link.events
+        return record
+
+    def _run(self, record: RunRecord, around, xp, clock, t0: float) -> None:
         self._inbox: dict[tuple, object] = {}  # (kind, stage, mb) -> array handed to that stage
         self._outbox: dict[tuple, object] = {}  # (kind, src stage, mb) -> array to send
         self._kept: dict[tuple, tuple] = {}  # (stage, mb) -> (x_in leaf or None, y or loss)
@@ -218,15 +257,23 @@ class PipelineExecutor:
                 self._take(msg, xp)
             start = clock()
             parts = [None] * len(step.parts)  # (label, begin, end) of each action
+            ks = [0 if action.kind == "W" else self.exchanges[action.stage] for action in step.parts]
+            chunked = self.costs is not None and any(ks)  # sleep-cost mode cut at the all-to-alls
+            paced = [0.0, False]  # real computation of the chunked actions, whether one overran
 
             def run_action(i):
                 action, begin = step.parts[i], clock()
-                if around is None:
-                    self._do(action)
-                else:
-                    with around(action, action in self.last_backward):
+                label = format_action(action, short=True)
+                cost = float(getattr(self.costs, action.kind)) if chunked else None
+                with self._link.action(label, cost, ks[i]) as pacing:
+                    if around is None:
                         self._do(action)
-                parts[i] = (format_action(action, short=True), begin - t0, clock() - t0)
+                    else:
+                        with around(action, action in self.last_backward):
+                            self._do(action)
+                paced[0] += pacing.compute
+                paced[1] = paced[1] or pacing.overrun
+                parts[i] = (label, begin - t0, clock() - t0)
 
             if self.overlap and kind == "F&B":  # F and B interleaved at their all-to-alls (overlap.py)
                 interleaver = Interleaver()
@@ -236,7 +283,10 @@ class PipelineExecutor:
                 for i in range(len(step.parts)):
                     run_action(i)
             compute = clock() - start
-            if self.costs is not None:
+            if chunked:  # each chunk was padded; the step lasts what its chunks and waits made it
+                compute = paced[0]
+                record.overruns += int(paced[1])
+            elif self.costs is not None:
                 cost = float(self.costs.of(step))
                 if compute > cost:
                     record.overruns += 1
@@ -254,7 +304,6 @@ class PipelineExecutor:
         leftovers = [c for c in self.channels.values() if c.request is not None or c.pending]
         assert not leftovers and not self._kept and not self._work and not self._inbox, \
             "the program left messages, activations or weight work behind"
-        return record
 
     # --- messages ------------------------------------------------------------------------------
     def _shape_of(self, msg: Message) -> tuple:
@@ -263,23 +312,39 @@ class PipelineExecutor:
         return stage.input_shape(self._x_shape) if msg.kind == "act" else stage.output_shape(self._x_shape)
 
     def _post_head(self, channel: _Channel, xp) -> None:
-        """Post the receive of the channel's next message (if any)."""
+        """Post the receive of the channel's next message (if any); link-delay mode: flat, + 1 element."""
         channel.request = None
         if channel.pending:
             msg = channel.pending[0]
-            buf = xp.empty(self._shape_of(msg), dtype=self.stages[msg.dst_stage].dtype)
+            shape = self._shape_of(msg)
+            if self.link_delay:
+                shape = (math.prod(shape) + 1,)
+            buf = xp.empty(shape, dtype=self.stages[msg.dst_stage].dtype)
             channel.request = self.comm.irecv(buf, msg.src, channel.tag)
 
     def _take(self, msg: Message, xp) -> None:
         channel = self._channel_of[msg]
         assert channel.pending and channel.pending[0] == msg, f"channel order broken at {msg}"
-        buf = channel.request.wait()
+        label = f"{msg.kind} {msg.src_stage}->{msg.dst_stage} mb {msg.mb}"
+        if self.link_delay:  # delivered P after the send time the message carries last
+            def delivery(buf):
+                sent = float(buf[-1])
+                return sent, sent + self.link_delay
+
+            buf = self._link.receive(channel.request, label, delivery)
+            buf = buf[:-1].reshape(self._shape_of(msg))
+        else:
+            buf = self._link.receive(channel.request, label)
         channel.pending.popleft()
         self._post_head(channel, xp)  # keep one receive posted on this channel
         self._inbox[(msg.kind, msg.dst_stage, msg.mb)] = buf
 
     def _send(self, msg: Message) -> None:
         buf = self._outbox.pop((msg.kind, msg.src_stage, msg.mb))
+        if self.link_delay:  # the send time travels with the message as its last element
+            xp = backend.xp()
+            sent = xp.asarray([time.perf_counter() - self._t0], dtype=buf.dtype)
+            buf = xp.concatenate([buf.reshape(-1), sent])
         request = self.comm.isend(buf, msg.dst, channel_tag(msg, self.schedule.num_stages))
         if msg.kind == "act":
             self._act_sends[(msg.src_stage, msg.mb)] = request
@@ -356,4 +421,4 @@ def replay_peak(schedule: Schedule, rank: int, activation_bytes: dict, free_at: 
     return peak
 
 
-__all__ = ["PipelineExecutor", "RunRecord", "StepTime", "channel_tag", "replay_peak"]
+__all__ = ["PipelineExecutor", "RunRecord", "StepTime", "channel_tag", "replay_peak", "stage_exchanges"]

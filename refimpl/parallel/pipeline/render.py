@@ -14,6 +14,11 @@ Megatron-LM, zero-bubble and DualPipe papers. A cell shows the action's kind and
 
 Only `render_png` needs matplotlib, and it is imported inside that function; nothing else in
 refimpl depends on it.
+
+`render_lanes_svg` draws the inside of one step (an F&B with the experts' all-to-alls) as lanes:
+the compute lane (the F's and the B's chunks, one task at a time), each action's all-to-alls in
+flight, and the waits on them (exposed communication); `step_lanes` sorts the simulator's
+Segments or a measured run's overlap.Link events into those lanes.
 """
 
 from __future__ import annotations
@@ -146,6 +151,65 @@ def render_svg(timeline: Timeline, cell: int = 22, row: int = 26) -> str:
     return "\n".join(out)
 
 
+_LANE_COLOURS = {("compute", "F"): "#8fb9e8", ("compute", "B"): "#9fd8a4", ("compute", "I"): "#f4c27a",
+                 ("all_to_all", "F"): "#d2e3f6", ("all_to_all", "B"): "#d8f0da", ("all_to_all", "I"): "#fbe6c6",
+                 ("wait", "F"): "#e06666", ("wait", "B"): "#e06666", ("wait", "I"): "#e06666"}
+
+
+def step_lanes(events) -> list:
+    """(lane title, [(start, end, label, fill)]) from (lane, label, start, end) events (simulate.Segment
+    fields, or overlap.Link events; a label starts with its action: F3, B1): the compute lane, one
+    lane of all-to-alls in flight per action (the F's and the B's overlap in time), the waits."""
+    events = list(events)
+
+    def boxes(lane, keep=lambda label: True):
+        return [(start, end, label, _LANE_COLOURS.get((lane, label[:1].upper()), "#cccccc"))
+                for kind, label, start, end in events if kind == lane and keep(label)]
+
+    actions = list(dict.fromkeys(label.split()[0] for kind, label, _, _ in events if kind == "all_to_all"))
+    return ([("compute", boxes("compute"))]
+            + [(f"{action} all-to-all", boxes("all_to_all", lambda label, a=action: label.split()[0] == a))
+               for action in actions]
+            + [("blocked (exposed)", boxes("wait"))])
+
+
+def render_lanes_svg(title: str, groups, width: int = 900, row: int = 24, unit: str = "ms",
+                     per_unit: float = 1e3) -> str:
+    """A standalone SVG of one or more groups of lanes on one time axis (seconds from the step's
+    start, shown in `unit`: per_unit of them a second): groups = [(group title, [(lane title,
+    [(start, end, label, fill)])])]."""
+    left, top = 150, 34
+    end = max((e for _, lanes in groups for _, boxes in lanes for _, e, _, _ in boxes), default=1.0) or 1.0
+    scale = (width - left - 20) / float(end)
+    height = top + sum(18 + row * len(lanes) + 8 for _, lanes in groups) + 24
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
+           f'font-size="11">', f'<text x="4" y="18">{escape(title)}</text>']
+    y = top
+    for group, lanes in groups:
+        out.append(f'<text x="4" y="{y + 12}" font-weight="bold">{escape(group)}</text>')
+        y += 18
+        for lane, boxes in lanes:
+            out.append(f'<text x="8" y="{y + row * 0.65:.1f}">{escape(lane)}</text>')
+            for start, stop, label, fill in boxes:
+                x, w = left + float(start) * scale, max(0.5, float(stop - start) * scale)
+                out.append(f'<rect x="{x:.1f}" y="{y + 1}" width="{w:.1f}" height="{row - 3}" fill="{fill}" '
+                           f'stroke="#333" stroke-width="0.5"><title>{escape(label)}</title></rect>')
+                if w > 7 * len(label):
+                    out.append(f'<text x="{x + w / 2:.1f}" y="{y + row * 0.62:.1f}" text-anchor="middle">'
+                               f'{escape(label)}</text>')
+            y += row
+        y += 8
+    ticks = 10
+    for i in range(ticks + 1):
+        t = float(end) * i / ticks
+        x = left + t * scale
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{y}" stroke="#bbb" stroke-width="0.3"/>')
+        out.append(f'<text x="{x:.1f}" y="{y + 14}" text-anchor="middle">{t * per_unit:.4g}</text>')
+    out.append(f'<text x="8" y="{y + 14}">time ({escape(unit)})</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def render_png(timeline: Timeline, path: str) -> None:
     """Draw the timeline with matplotlib into `path` (needs `pip install matplotlib`)."""
     try:
@@ -197,4 +261,5 @@ def render_trace(timeline: Timeline, microseconds_per_unit: float = 1000.0) -> d
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["render_text", "render_svg", "render_png", "render_trace", "action_label", "step_label"]
+__all__ = ["render_text", "render_svg", "render_png", "render_trace", "action_label", "step_label", "render_lanes_svg",
+           "step_lanes"]

@@ -1,0 +1,155 @@
+"""Exposed communication, measured against the simulator: 1F1B, ZB1P and DualPipe with and without
+the F&B overlap, in sleep-cost plus link-delay mode (issue 17, item 4).
+
+Launch:  mpiexec -n 8 python benchmarks/bench_overlap.py [--costs F=0.05,I=0.05,W=0.05,P=0.005,A=0.025
+                                                         --steps 3 --out DIR]
+
+Every configuration runs on pp = 4 ranks and dp = world size / 4 pipelines (8 processes: two), a
+GPT whose every block is a mixture of experts (--experts 4, expert parallelism --ep 2 over the two
+pipelines: each all-to-all goes between the ranks of the same pipeline position), 8 micro-batches.
+Sleep-cost mode pads each action to its cost, cut at its all-to-alls into equal chunks; link-delay
+mode delivers each pipeline message P after its send and completes each all-to-all A after its
+start (refimpl/parallel/pipeline/overlap.py). Per configuration one warm-up step, then `--steps`
+measured steps; per rank the median over the steps of
+
+    exposed pipeline     seconds blocked waiting for pipeline messages (start-up and bubbles too)
+    exposed all-to-all   seconds blocked waiting for the experts' all-to-alls
+    hidden fraction      1 − Σ exposed all-to-all / (all-to-alls · A), over the pipeline's ranks
+
+beside the simulator's exact prediction for the configured costs (simulate.py's chunk model). The
+table compares the mean over ranks. The ratio measured / simulated of the total is the figure to
+hold within 10 %. Written to --out: the Chrome trace of the last DualPipe step (measured, with
+its communication lanes, and the prediction), and overlap_fb.svg: one F&B step's compute and
+communication lanes, simulated with and without the overlap and measured. One JSON object is
+printed last on stdout (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from refimpl.console import log
+from refimpl.parallel.comm import get_world
+from refimpl.parallel.pipeline import Costs
+from refimpl.parallel.pipeline.actions import Overlapped
+from refimpl.parallel.pipeline.render import render_lanes_svg, step_lanes
+from refimpl.parallel.pipeline.simulate import run_step
+from refimpl.parallel.trainer import Trainer
+from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
+
+CONFIGS = (("1f1b", True), ("zb1p", True), ("dualpipe", False), ("dualpipe", True))
+
+
+def run_config(name: str, overlap: bool, world, args, costs: Costs, trace: str | None) -> dict:
+    cfg = TrainConfig(model="gpt", n_layer=args.n_layer, d_model=args.d_model, n_head=2, seq_len=args.seq_len,
+                      batch_size=args.batch_size, dtype="float32", experts=args.experts, ep=args.ep, top_k=2)
+    task = build_task(cfg)
+    trainer = Trainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), world, pp=args.pp, schedule=name,
+                      micro_batches=args.micro_batches, action_costs=costs, ep=args.ep, overlap=overlap, trace=trace)
+    rows = []
+    for step in range(args.steps + 1):
+        x, y = task.batch(step, args.batch_size)
+        world.barrier()
+        trainer.step(x, y)
+        if step > 0:  # the first step warms up allocations and MPI connections
+            rows.append(trainer.timing())
+    median = lambda key: [statistics.median(t[key][r] for t in rows) for r in range(args.pp)]  # noqa: E731
+    last = rows[-1]
+    result = {"schedule": name, "overlap": overlap, "exchanges": last["all_to_all_exchanges"],
+              "overruns": sum(t["overruns"] for t in rows),
+              "makespan_s": statistics.median(t["makespan_s"] for t in rows),
+              "simulated_makespan_s": last["simulated_comm_makespan_s"]}
+    for what in ("pipeline", "all_to_all"):
+        result[f"measured_{what}_s"] = median(f"measured_exposed_{what}_s")
+        result[f"simulated_{what}_s"] = last[f"simulated_exposed_{what}_s"]
+    result["measured_hidden_fraction"] = statistics.median(t["measured_hidden_fraction"] for t in rows)
+    result["simulated_hidden_fraction"] = last["simulated_hidden_fraction"]
+    return result, trainer
+
+
+def mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def fb_picture(trainer, costs: Costs) -> str:
+    """One F&B step of rank 0 (the middle one): simulated with and without the overlap, and measured."""
+    schedule, rank = trainer.schedule, 0
+    pairs = [(i, s) for i, s in enumerate(schedule.ranks[rank]) if isinstance(s, Overlapped)]
+    index, step = pairs[len(pairs) // 2]
+    measured = trainer.last_steps[rank][index]
+    events = [(lane, name, start - measured.start, end - measured.start)
+              for lane, name, start, end in trainer.last_comm[rank]
+              if lane in ("compute", "all_to_all", "wait") and measured.start - 1e-6 <= start < measured.end]
+    groups = []
+    for title, ov in (("simulated, overlapped", True), ("simulated, F then B", False)):
+        run = run_step(step, costs, trainer.exchanges, ov)
+        groups.append((f"{title} ({float(run.duration) * 1e3:.0f} ms, exposed {float(run.exposed) * 1e3:.0f} ms)",
+                       step_lanes((g.lane, g.label, float(g.start), float(g.end)) for g in run.segments)))
+    exposed = sum(end - start for lane, _, start, end in events if lane == "wait")
+    groups.insert(1, (f"measured, overlapped ({(measured.end - measured.start) * 1e3:.0f} ms, exposed "
+                      f"{exposed * 1e3:.0f} ms)", step_lanes(events)))
+    title = (f"DualPipe F&B step {measured.label} on rank {rank}: F={float(costs.F) * 1e3:g} ms, "
+             f"B={float(costs.B) * 1e3:g} ms, all-to-all A={float(costs.A) * 1e3:g} ms")
+    return render_lanes_svg(title, groups)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--costs", default="F=0.05,I=0.05,W=0.05,P=0.005,A=0.025",
+                        help="seconds per action (B=I+W) and the link delays P (pipeline) and A (all-to-all)")
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch (default 1 per micro-batch)")
+    parser.add_argument("--out", default=".", help="where the trace and the picture go")
+    args = parser.parse_args()
+    world = get_world()
+    args.batch_size = args.batch_size or args.micro_batches * (world.size // args.pp)
+    costs = Costs.parse(args.costs)
+    os.makedirs(args.out, exist_ok=True)
+    results, started = [], time.perf_counter()
+    for name, overlap in CONFIGS:
+        traced = name == "dualpipe" and overlap
+        result, trainer = run_config(name, overlap, world, args, costs,
+                                     os.path.join(args.out, "overlap_trace.json") if traced else None)
+        results.append(result)
+        if traced and world.rank == 0:
+            with open(os.path.join(args.out, "overlap_fb.svg"), "w") as f:
+                f.write(fb_picture(trainer, costs))
+    for r in results:
+        r["measured_total_s"] = mean([a + b for a, b in zip(r["measured_pipeline_s"], r["measured_all_to_all_s"])])
+        r["simulated_total_s"] = mean([a + b for a, b in zip(r["simulated_pipeline_s"], r["simulated_all_to_all_s"])])
+        r["ratio"] = r["measured_total_s"] / r["simulated_total_s"]
+    if world.rank == 0:
+        log(f"sleep-cost + link-delay mode, {args.costs} s; {world.size} processes, pp {args.pp}, ep {args.ep}, "
+            f"{args.micro_batches} micro-batches, {args.n_layer} MoE blocks; medians of {args.steps} steps; "
+            f"{time.perf_counter() - started:.0f} s")
+        log(f"{'schedule':<20}{'pipeline':>10}{'sim':>8}{'a2a':>9}{'sim':>8}{'total':>9}{'sim':>8}{'ratio':>7}"
+            f"{'hidden':>8}{'sim':>7}{'makespan':>10}{'sim':>7}{'overruns':>10}")
+        for r in results:
+            label = r["schedule"] + ("" if r["schedule"] != "dualpipe" else " (overlap)" if r["overlap"] else
+                                     " (F then B)")
+            hidden = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+            log(f"{label:<20}{mean(r['measured_pipeline_s']):>10.3f}{mean(r['simulated_pipeline_s']):>8.3f}"
+                f"{mean(r['measured_all_to_all_s']):>9.3f}{mean(r['simulated_all_to_all_s']):>8.3f}"
+                f"{r['measured_total_s']:>9.3f}{r['simulated_total_s']:>8.3f}{r['ratio']:>7.3f}"
+                f"{hidden(r['measured_hidden_fraction']):>8}{hidden(r['simulated_hidden_fraction']):>7}"
+                f"{r['makespan_s']:>10.3f}{r['simulated_makespan_s']:>7.3f}{r['overruns']:>10}")
+        print(json.dumps({"mode": "sleep+link-delay", "costs": args.costs, "world_size": world.size, "pp": args.pp,
+                          "ep": args.ep, "micro_batches": args.micro_batches, "steps": args.steps,
+                          "results": results}))
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
