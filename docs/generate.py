@@ -94,6 +94,7 @@ PICTURES = {
     "dualpipe": "dualpipe --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
     "tensor_parallel_block": TENSOR_PARALLEL_PICTURES,
     "sequence_parallel_block": TENSOR_PARALLEL_PICTURES,
+    "overlap_fb": ROOT / "benchmarks" / "overlap_pictures.py",
 }
 
 # ------------------------------------------------------------------------------------------------
