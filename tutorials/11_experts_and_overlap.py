@@ -407,17 +407,14 @@ print(f"expert parallel {result['expert_parallel']}; all-to-all(v) bytes per ran
 
 # %%
 PROGRAM = f"""
-import argparse, json
+import json
 import numpy as np
-from refimpl.commands.train import add_arguments, config_from_args
+from refimpl.commands.train import config_from_flags
 from refimpl.parallel.comm import get_world
 from refimpl.train import build_model, build_task, make_trainer
 
 def run(world, flags):
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(flags))
-    cfg.check()
+    cfg = config_from_flags(flags)
     task = build_task(cfg)
     trainer = make_trainer(cfg, build_model(cfg, task), world, distributed=True)
     trainer.record_grads = True

@@ -109,6 +109,15 @@ def config_from_args(args) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def config_from_flags(flags) -> TrainConfig:
+    """The checked TrainConfig of a list of train flags (["--experts", "4", ...]), as the command parses them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args([str(flag) for flag in flags]))
+    cfg.check()
+    return cfg
+
+
 def check(args) -> None:
     """The checks every rank makes at startup, before any communication (cli.main)."""
     config_from_args(args).check()

@@ -20,19 +20,14 @@ import sys
 
 import numpy as np
 
-from refimpl.commands.train import add_arguments, config_from_args
+from refimpl.commands.train import config_from_flags
 from refimpl.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.train import build_model, build_task, make_trainer
 
 
 def check(world, flags: list) -> dict:
-    import argparse
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(flags))
-    cfg.check()
+    cfg = config_from_flags(flags)
     task = build_task(cfg)
     trainer = make_trainer(cfg, build_model(cfg, task), world, distributed=True)
     x, y = task.batch(0, cfg.batch_size)

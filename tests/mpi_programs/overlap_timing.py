@@ -12,14 +12,13 @@ timing the trainer's timing() of the delayed run, simulated_exchanges the all-to
 the simulator's chunk model, trace the (pid, cat) pairs of the trace's complete events.
 """
 
-import argparse
 import json
 import os
 import sys
 
 import numpy as np
 
-from refimpl.commands.train import add_arguments, config_from_args
+from refimpl.commands.train import config_from_flags
 from refimpl.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline import timeline as tl
@@ -27,10 +26,7 @@ from refimpl.train import build_model, build_task, make_trainer
 
 
 def run(world, flags: list):
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(flags))
-    cfg.check()
+    cfg = config_from_flags(flags)
     task = build_task(cfg)
     trainer = make_trainer(cfg, build_model(cfg, task), world, distributed=True)
     loss = trainer.step(*task.batch(0, cfg.batch_size))

@@ -24,7 +24,7 @@ import numpy as np
 from refimpl import backend
 from refimpl.checkpointing.actions import Restore, simulate_chain
 from refimpl.checkpointing.plans import actions_for
-from refimpl.commands.train import add_arguments, config_from_args
+from refimpl.commands.train import config_from_flags
 from refimpl.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step, parameters_per_rank
@@ -45,12 +45,7 @@ def restores(plan: str, blocks: int) -> int:
 
 
 def check(world, flags: list) -> dict:
-    import argparse
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(flags))
-    cfg.check()
+    cfg = config_from_flags(flags)
     task = build_task(cfg)
     model = build_model(cfg, task)
     trainer = make_trainer(cfg, model, world, distributed=True)

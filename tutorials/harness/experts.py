@@ -25,17 +25,16 @@ exercise 3 (the communication time such an order leaves exposed).
 
 from __future__ import annotations
 
-import threading
 from fractions import Fraction
 
 import numpy as np
 
-from refimpl.autograd import grad_mode
 from refimpl.nn.experts import route
 from refimpl.parallel import ring
 
 from . import Wrong
-from .tensor_parallel import ThreadComm, _Broken, _Group
+from . import tensor_parallel
+from .tensor_parallel import ThreadComm
 
 # ------------------------------------------------------------------------------------------------
 # Simulated ranks with all-to-all
@@ -68,43 +67,9 @@ class AllToAllThreadComm(ThreadComm):
 
 
 def run_ranks(size: int, program, *args) -> list:
-    """[program(comm, *args) on rank r for r in range(size)], each rank a thread with an AllToAllThreadComm.
-
-    As harness/tensor_parallel.run_ranks: if a rank raises, the first exception raised by a rank's
-    own code is raised here."""
-    group = _Group(size)
-    comms = [AllToAllThreadComm(group, r) for r in range(size)]
-    results: list = [None] * size
-    errors: list = [None] * size
-    recording = grad_mode.is_enabled()
-
-    def body(r: int) -> None:
-        group.resume(r)
-        how = "returned"
-        try:
-            results[r] = program(comms[r], *args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            errors[r] = exc
-            how = f"raised {type(exc).__name__}"
-        finally:
-            group.stop(r, how)
-            group.pause(r)
-
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank {r}", daemon=True) for r in range(size)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        grad_mode._enabled = recording  # noqa: SLF001 - as it was before the ranks ran
-    causes = [e for e in errors if e is not None and not isinstance(e, _Broken)]
-    if causes:
-        raise causes[0]
-    broken = [e for e in errors if e is not None]
-    if broken:
-        raise Wrong(str(broken[0]))
-    return results
+    """[program(comm, *args) on rank r for r in range(size)], each rank a thread with an AllToAllThreadComm
+    (harness/tensor_parallel.run_ranks: the first exception raised by a rank's own code is raised here)."""
+    return tensor_parallel.run_ranks(size, program, *args, comm_class=AllToAllThreadComm)
 
 
 # ------------------------------------------------------------------------------------------------

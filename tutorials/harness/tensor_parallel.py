@@ -182,13 +182,14 @@ class ThreadComm(Comm):
         raise RuntimeError(message or f"abort({code})")
 
 
-def run_ranks(size: int, program, *args) -> list:
-    """[program(comm, *args) on rank r for r in range(size)], each rank a thread with a ThreadComm.
+def run_ranks(size: int, program, *args, comm_class=None) -> list:
+    """[program(comm, *args) on rank r for r in range(size)], each rank a thread with a ThreadComm
+    (or a subclass of it: comm_class).
 
     If a rank raises, the first exception raised by a rank's own code is raised here (a rank that
     only failed because another had stopped is not the cause)."""
     group = _Group(size)
-    comms = [ThreadComm(group, r) for r in range(size)]
+    comms = [(comm_class or ThreadComm)(group, r) for r in range(size)]
     results: list = [None] * size
     errors: list = [None] * size
     recording = grad_mode.is_enabled()
