@@ -75,7 +75,9 @@ On the measured configurations (tests/test_fits.py) the activation estimate is 1
 saved-tensor peak per graph held (3.9 for the MLP): it includes what the graph holds that backward
 does not need. The whole estimate is 1.4 to 2.6 times the process's true peak as tracemalloc
 measures it (NumPy's and Python's allocations), never below it. It is an upper bound for refusing
-runs, not a formula to plan with. Tensor parallelism is not modelled here: a tp rank is estimated
+runs, not a formula to plan with. A mixture of experts counts its E expert MLPs and router in Ψ
+(expert parallelism's E/P per rank is not modelled: a bound) and K tokens' worth of MLP activations
+and dispatch copies per token in every block. Tensor parallelism is not modelled here: a tp rank is estimated
 as if it held the whole model and its activations (an upper bound; the exact per-rank formulas,
 derived like Korthikanti et al.'s for Megatron, are refimpl/parallel/tensor_parallel/formulas.py).
 
@@ -127,9 +129,17 @@ def parameter_tensors(cfg, vocab: int, seq: int) -> list[tuple[int, int]]:
     h, L = cfg.d_model, cfg.n_layer
     if cfg.model == "mlp":
         return [(2 * h, 1), (h, 1), (h * h, L - 1), (h, L - 1), (h * vocab, 1), (vocab, 1)]
+    moe = _moe_blocks(cfg)  # a mixture of experts: E copies of the MLP and a router (E, h) in those blocks
+    mlps = L - moe + cfg.experts * moe
     return [(vocab * h, 1), (seq * h, 1),
             (h, 2 * L), (3 * h * h, L), (3 * h, L), (h * h, L), (h, L), (h, 2 * L),
-            (4 * h * h, L), (4 * h, L), (4 * h * h, L), (h, L), (h, 2), (vocab * h, 1)]
+            (4 * h * h, mlps), (4 * h, mlps), (4 * h * h, mlps), (h, mlps), (cfg.experts * h, moe), (h, 2),
+            (vocab * h, 1)]
+
+
+def _moe_blocks(cfg) -> int:
+    """Blocks with a mixture of experts (every moe_every-th; nn/models.py GPTConfig.has_experts)."""
+    return sum(1 for i in range(cfg.n_layer) if i % cfg.moe_every == cfg.moe_every - 1) if cfg.experts else 0
 
 
 def count(tensors) -> int:
@@ -138,9 +148,12 @@ def count(tensors) -> int:
 
 
 def _layer_parameters(cfg) -> int:
-    """Parameters of one of the chain's layers: a GPT block (12h² + 13h) or an MLP hidden layer."""
+    """Parameters of one of the chain's layers: a GPT block (12h² + 13h; with experts the largest,
+    an MoE block: E MLPs of 8h² + 5h and a router E·h) or an MLP hidden layer."""
     h = cfg.d_model
-    return 12 * h * h + 13 * h if cfg.model == "gpt" else h * h + h
+    if cfg.model != "gpt":
+        return h * h + h
+    return 12 * h * h + 13 * h + ((cfg.experts - 1) * (8 * h * h + 5 * h) + cfg.experts * h if cfg.experts else 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,6 +173,7 @@ class Shape:
     e: int  # bytes per computed element
     dropout: bool
     loss_scaled: bool = False  # mixed precision: loss · S saves one more scalar
+    moe: int = 0  # extra units per block and token of a mixture of experts (every block counted: a bound)
 
 
 def saved_bytes(shape: Shape, b: int, layers: int) -> int:
@@ -178,7 +192,7 @@ def graph_bytes(shape: Shape, b: int, layers: int, embed: bool = True, head: boo
     objects = GRAPH_OBJECT_BYTES * (layers + 2)
     if shape.model == "mlp":
         return e * b * (2 + 2 * layers * h + 2 * V) + objects
-    per_block = 21 * h + 2 + 2 * a * s + (4 * h + 2 * a * s if shape.dropout else 0)
+    per_block = 21 * h + 2 + 2 * a * s + (4 * h + 2 * a * s if shape.dropout else 0) + shape.moe
     units = layers * per_block
     if embed:
         units += 2 * h + (2 * h if shape.dropout else 0)
@@ -242,7 +256,10 @@ def _task_bytes(task) -> int:
 
 def _shape(cfg, vocab: int, seq: int) -> Shape:
     e = 8 if cfg.dtype == "float64" else 4  # float16 storage computes in float32
-    return Shape(cfg.model, seq, cfg.d_model, max(1, cfg.n_head), vocab, e, cfg.dropout > 0, cfg.dtype == "mixed")
+    # a mixture of experts: K tokens' worth of the MLP's activations (10h) and of the dispatch and
+    # combine copies (4h), and the router's logits and probabilities (2E), per token
+    moe = cfg.top_k * 14 * cfg.d_model + 2 * cfg.experts if cfg.experts else 0
+    return Shape(cfg.model, seq, cfg.d_model, max(1, cfg.n_head), vocab, e, cfg.dropout > 0, cfg.dtype == "mixed", moe)
 
 
 def _batch_bytes(cfg, batch: int, seq: int) -> int:
