@@ -46,7 +46,7 @@ def svg(name: str) -> str:
     text = render_lanes_svg(f"DualPipe F&B step on rank 0: F = B = 50 ms in chunks, all-to-all A = 25 ms, "
                             f"{EXCHANGES_PER_STAGE} per action", groups)
     head, _, rest = text.partition("\n")
-    return f"{head}\n<title>{name}: one DualPipe F&B step, overlapped and not (simulated)</title>\n{rest}"
+    return f"{head}\n<title>{name}: one DualPipe F&amp;B step, overlapped and not (simulated)</title>\n{rest}"
 
 
 def main(argv=None) -> int:
