@@ -35,13 +35,14 @@ def to_input(model, x):
     return Tensor(backend.asarray(x, dtype=model.parameters()[0].dtype))
 
 
-def micro_batch_loss(model, x, y, total_count: int, rows: tuple | None = None) -> Tensor:
+def micro_batch_loss(model, x, y, total_count: int, rows: tuple | None = None, loss_scale: float = 1.0) -> Tensor:
     """Σ cross-entropy over this micro-batch's counted targets, divided by the global batch's count.
 
     rows = (start, global_size, batch_id) says which rows of which global batch x holds, so that
-    dropout masks do not depend on the split (refimpl/nn/batch_rows.py).
+    dropout masks do not depend on the split (refimpl/nn/batch_rows.py); loss_scale: what the
+    caller multiplies the loss by before backward (mixed precision), for losses added inside the model.
     """
-    context = nullcontext() if rows is None else batch_rows(rows[0], rows[0] + len(x), rows[1], rows[2])
+    context = nullcontext() if rows is None else batch_rows(rows[0], rows[0] + len(x), rows[1], rows[2], loss_scale)
     with context:
         logits = model(to_input(model, x))
     return F.cross_entropy(logits, backend.asarray(y), reduction="sum") * (1.0 / max(1, total_count))

@@ -148,6 +148,9 @@ class TrainConfig:
         if self.experts % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide --experts {self.experts}: each expert-parallel rank holds "
                              f"experts / ep of them; use an --ep that divides {self.experts}")
+        if self.ep > 1 and self.dtype == "mixed":
+            raise ValueError("--ep with --dtype mixed is not supported yet: the experts' and the other parameters' "
+                             "strategies would keep two loss scales and vote on overflow apart; use --ep 1 or float32")
         if self.ep > 1 and (self.save_dir or self.resume):
             raise ValueError("sharded checkpoints (--save-dir, --resume) of expert-parallel runs are not written yet; "
                              "use --ep 1 to save or resume")
@@ -168,9 +171,6 @@ class TrainConfig:
         if self.tp > 1:
             raise ValueError("--experts with --tp is not supported yet: the experts are not split over the "
                              "tensor-parallel group; use --tp 1")
-        if self.dtype == "mixed":
-            raise ValueError("--experts with --dtype mixed is not supported yet: the load-balancing loss's gradient "
-                             "is not multiplied by the loss scale; use float32 or float64")
 
     def check_tensor_parallel(self) -> None:
         """--tp, --sequence-parallel and --partition-activations against the model (the world size is
@@ -272,7 +272,8 @@ class LocalTrainer:
         total = count_targets(y)
         loss_value = 0.0
         for i, (xm, ym) in enumerate(split_batch(x, y, self.grad_accum, "micro-batches (--grad-accum)")):
-            loss = micro_batch_loss(self.model, xm, ym, total, rows=(i * len(xm), len(x), self.steps_done))
+            loss = micro_batch_loss(self.model, xm, ym, total, rows=(i * len(xm), len(x), self.steps_done),
+                                    loss_scale=1.0 if self.scaler is None else self.scaler.scale)
             (loss if self.scaler is None else loss * self.scaler.scale).backward()
             loss_value += float(loss.item())
         if self.scaler is None:

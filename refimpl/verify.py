@@ -149,6 +149,10 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} must be a finite number >= 0, got {value}; leave it out for the dtype's "
                              f"default tolerance")
+    if mixed and cfg.experts:
+        raise ValueError("verify --dtype mixed bounds only float16 rounding of the same computation: with experts, "
+                         "a token whose router probabilities tie to float32 rounding can go to another expert on "
+                         "either side; verify --experts in float64")
     if mixed and cfg.tp > 1:
         raise ValueError("verify --dtype mixed bounds only float16 rounding: it assumes each piece of the batch is "
                          "computed with the reference's float32 arithmetic, and tensor parallelism changes it (sliced "

@@ -25,6 +25,8 @@ class Rows:
     stop: int  # one past the last row
     global_size: int  # rows in the global batch
     batch_id: int  # which global batch (the optimizer step): same number in every process
+    loss_scale: float = 1.0  # what this forward's loss will be multiplied by before backward (mixed
+    #                          precision's S): a loss added inside the model seeds its backward with it
 
 
 _current: Rows | None = None
@@ -58,7 +60,7 @@ class restored:
 class batch_rows(restored):
     """Context manager: forwards inside it process rows start:stop of global batch batch_id."""
 
-    def __init__(self, start: int, stop: int, global_size: int, batch_id: int) -> None:
+    def __init__(self, start: int, stop: int, global_size: int, batch_id: int, loss_scale: float = 1.0) -> None:
         if not 0 <= start <= stop <= global_size:
             raise ValueError(f"batch_rows: rows {start}:{stop} are not inside a batch of {global_size}")
-        super().__init__(Rows(start, stop, global_size, batch_id))
+        super().__init__(Rows(start, stop, global_size, batch_id, loss_scale))

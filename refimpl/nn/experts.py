@@ -25,8 +25,9 @@ communication (a per-batch loss would need the counts and probability sums of th
 batch, 2E numbers reduced over the data-parallel group, before any backward could start -- which a
 pipeline cannot wait for). B is the global batch (the batch_rows context's size). The loss
 reaches the gradients without touching the training loss: `AddAuxiliaryLoss` passes y through
-unchanged and, in backward, seeds L_aux's own backward with 1, so pipelines and gradient
-accumulation need no change. The reported training loss is the cross-entropy alone.
+unchanged and, in backward, seeds L_aux's own backward with 1 (with mixed precision, the loss scale
+S that the batch_rows context carries, as the training loss's backward starts from loss · S), so
+pipelines and gradient accumulation need no change. The reported training loss is the cross-entropy alone.
 
 Capacity (optional, --capacity-factor c): each expert takes at most ⌈c·K·T/E⌉ tokens of each
 sequence; the (token, expert) assignments beyond that, in token order, are dropped (the token
@@ -62,13 +63,15 @@ from .module import Module, ModuleList
 
 
 class AddAuxiliaryLoss(Function):
-    """y unchanged forward; backward: y's gradient, and 1 for the auxiliary loss (its own backward seed)."""
+    """y unchanged forward; backward: y's gradient, and the auxiliary loss's own backward seed: 1,
+    or mixed precision's loss scale S (the training loss's backward starts from loss · S)."""
 
-    def forward(self, y, aux):
+    def forward(self, y, aux, seed):
+        self.seed = seed
         return y
 
     def backward(self, g, needs):
-        return g, backend.xp().ones((), g.dtype) if needs[1] else None
+        return g, backend.xp().full((), self.seed, g.dtype) if needs[1] else None, None
 
 
 def route(probs, top_k: int):
@@ -140,7 +143,8 @@ class MoE(Module):
         aux = self.balance_loss(probs, chosen, B, T)
         if self.training:  # (evaluation is not training's load)
             self._record(counts, int(chosen.size - len(kept)), aux)
-        return AddAuxiliaryLoss.apply(y.reshape(B, T, C), aux)
+        rows = batch_rows.current()  # (a recomputation restores the forward's rows, and so its loss scale)
+        return AddAuxiliaryLoss.apply(y.reshape(B, T, C), aux, 1.0 if rows is None else rows.loss_scale)
 
     def run_experts(self, x_sorted: Tensor, counts, first: int = 0) -> Tensor:
         """Expert first + i on rows counts[0] + ... + counts[i-1] onwards of x_sorted (n, C) -> (n, C)

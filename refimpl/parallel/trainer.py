@@ -223,7 +223,7 @@ class Trainer:
 
         def rows(mb):  # rows of the global batch in micro-batch mb: dropout masks independent of the split
             start = first_row + mb * b
-            return batch_rows(start, start + b, len(x), self.steps_done)
+            return batch_rows(start, start + b, len(x), self.steps_done, 1.0 if self.scaler is None else self.scaler.scale)
 
         cross_entropy = F.cross_entropy if self.tensor_parallel is None else self.tensor_parallel.cross_entropy
 
