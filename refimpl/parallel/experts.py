@@ -93,7 +93,6 @@ class LocalExperts(Module):
         super().__init__()
         for e, expert in experts.items():
             setattr(self, str(e), expert)
-        self.indices = sorted(experts)
 
     def __getitem__(self, e: int):
         return getattr(self, str(e))
@@ -109,7 +108,8 @@ class ExpertParallel:
         self.comm, self.per_rank = comm, E // P
         self.first = comm.rank * self.per_rank  # this rank's experts: first .. first + E/P − 1
         moe.experts = LocalExperts({e: moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
-        self.traffic: list = []  # per call: (rows to each rank, rows from each rank, whether backward will follow)
+        # this step's calls (the trainer clears it): (rows to each rank, rows from each rank, backward follows)
+        self.traffic: list = []
 
     def __call__(self, moe, x_sorted, counts) -> object:
         P, k = self.comm.size, self.per_rank

@@ -1,7 +1,8 @@
 """The one distributed trainer: a training step composed of layers, over a dp x tp x pp mesh.
 
 Every distributed configuration -- data parallelism, ZeRO 0-3, mixed precision, tensor and
-sequence parallelism, pipelines of any schedule, and their combinations -- is this class. One
+sequence parallelism, expert parallelism, pipelines of any schedule, and their combinations -- is
+this class. One
 optimizer step on a global batch of B examples is the same layers on every rank:
 
     1. the mesh (mesh.py)          N = dp · tp · pp ranks; replica d takes its B/dp examples, cut
@@ -10,7 +11,8 @@ optimizer step on a global batch of B examples is the same layers on every rank:
     1b. the model's collectives    tensor parallelism (tensor_parallel/): the model is cut over the
                                    tp group before it is cut into stages; its layers communicate
                                    inside every forward and backward, and the loss is computed on
-                                   vocabulary shards
+                                   vocabulary shards. Expert parallelism (experts.py): each rank of
+                                   an ep group keeps E/ep experts; tokens travel by all-to-all
     2. the micro-batch loop        the pipeline executor (pipeline/executor.py) runs this rank's list
                                    of the schedule: F, B (or I then W) of each of its stages and
                                    micro-batches. A pipeline of one stage holding the whole model
@@ -19,7 +21,9 @@ optimizer step on a global batch of B examples is the same layers on every rank:
     3. the gradient strategy       over the data-parallel group (the dp ranks that hold the same
                                    stages): DDP (data_parallel.py) or a ZeRO stage (zero/), which
                                    keeps model state whole or sharded and reduces gradients during
-                                   the loop (it wraps every action: `around`)
+                                   the loop (it wraps every action: `around`). With expert
+                                   parallelism a second strategy holds the experts and reduces over
+                                   their replicas (edp_comm), sharing the first one's memory ledger
     4. the stage copies            DualPipe runs every stage twice per pipeline (ranks s and
                                    pp-1-s): the two copies' reduced gradients are summed
     5. precision and optimizer     the strategy's optimizer step on its blocks: mixed precision's
@@ -118,7 +122,7 @@ class Trainer:
         # the whole model's parameter shapes (this rank may hold slices, or some of the experts)
         self.whole_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()} \
             if self.tensor_parallel is None else dict(self.tensor_parallel.shapes)
-        self.ep = ep
+        self.ep, self.expert_runners = ep, []  # with ep > 1: each MoE layer's ExpertParallel (experts.py)
         # 2. the micro-batch loop: a schedule of M micro-batches (one stage: gradient accumulation)
         name = schedule or "1f1b"
         self.schedule = build(name, pp, (2 * pp if micro_batches is None else micro_batches) if pipelined
@@ -233,6 +237,8 @@ class Trainer:
         if self.pipelined:
             saved_tensors.reset_peak()
             self.mesh.pp_comm.barrier("the pipeline's start")
+        for runner in self.expert_runners:
+            runner.traffic.clear()  # the runners record this step's all-to-alls
         record = self.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape, t0=time.perf_counter(),
                                    forward_context=rows, around=self._around,
                                    loss_scale=None if self.scaler is None else self.scaler.scale)
@@ -242,11 +248,11 @@ class Trainer:
         if self.copies is not None:  # 4. DualPipe: + the other copy of each stage
             for g in (g for group in grads for g in group):
                 self.copies.allreduce(g)
-        total = self._squared_norm_with_experts(grads) if self.expert_sharding is not None and self.clip > 0 else None
-        results = [strategy.optimizer_step(g, total) for strategy, g in zip(self.strategies, grads)]  # 5. the update
+        norm2 = self._squared_norm_with_experts(grads) if self.expert_sharding is not None and self.clip > 0 else None
+        results = [strategy.optimizer_step(g, norm2) for strategy, g in zip(self.strategies, grads)]  # 5. the update
         if self.record_grads:
-            self.last_grads = self._on_rank0(self._whole(lambda strategy, result: strategy.whole(result.grads),
-                                                         results))
+            self.last_grads = self._on_rank0(self._whole([strategy.whole(result.grads)
+                                                          for strategy, result in zip(self.strategies, results)]))
         for strategy, result in zip(self.strategies, results):
             strategy.end_step(result)
         self.steps_done += 1
@@ -261,12 +267,10 @@ class Trainer:
         total = dense + experts
         return self._model_parallel_norm(total) if self.pp * self.tp > 1 else total
 
-    def _whole(self, of, results=None) -> dict:
-        """{name: array} of this rank's stages from every strategy (of(strategy[, result])); with expert
+    def _whole(self, pieces: list) -> dict:
+        """{name: array} of this rank's stages from every strategy's {name: array}; with expert
         parallelism all the experts, gathered over the expert-parallel group (a diagnostic path)."""
-        mine: dict = {}
-        for i, strategy in enumerate(self.strategies):
-            mine.update(of(strategy) if results is None else of(strategy, results[i]))
+        mine = {name: array for piece in pieces for name, array in piece.items()}
         if self.expert_sharding is not None:
             experts = {name: array for name, array in mine.items() if is_expert_parameter(name)}
             for other in self.mesh.ep_comm.allgather_object(experts):
@@ -296,7 +300,7 @@ class Trainer:
     def full_parameters(self) -> dict:
         """{name: NumPy array} of the whole model (collective). Without a pipeline every rank gets
         it; with one, rank 0 (the others get {}). Mixed precision: the float32 master weights."""
-        return self._on_rank0(self._whole(lambda strategy: strategy.whole_parameters()))
+        return self._on_rank0(self._whole([strategy.whole_parameters() for strategy in self.strategies]))
 
     def full_optimizer_state(self) -> dict:
         """{"step", "arrays": {key: {name: array}}, "loss_scaler"} on rank 0 (collective; ZeRO strategies).

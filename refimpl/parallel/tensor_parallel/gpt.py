@@ -87,6 +87,7 @@ class TensorParallelGPT:
         self.padded_vocab = padded(self.vocab_size, self.size)
         self.vocab_start = self.rank * self.padded_vocab // self.size
         self.splits: dict[str, Split] = {}  # parameter name -> how it is cut; the rest is whole
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # whole, before any cut
 
     def cross_entropy(self, logits, targets, ignore_index: int = -100, reduction: str = "mean"):
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.vocab_size, self.comm,
@@ -153,7 +154,6 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     c = model.config
     check_options(t, sequence_parallel, n_head=c.n_head, seq_len=c.seq_len)
     tp = TensorParallelGPT(model, comm, sequence_parallel)
-    tp.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # whole, single-process
 
     def cut(name: str, param: Parameter, split: Split) -> Parameter:
         tp.splits[name] = split
