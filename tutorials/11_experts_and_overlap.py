@@ -239,7 +239,7 @@ def expert_parallel(comm):
     moe.experts_runner = runner
     y = moe(Tensor(xs[comm.rank], requires_grad=True))  # its input comes from attention: it needs a gradient
     y.backward(dys[comm.rank])
-    grads = {e: [p.grad for p in moe.experts[e].parameters()] for e in moe.experts.indices}
+    grads = {e: [p.grad for p in moe.experts[e].parameters()] for e in range(runner.first, runner.first + runner.per_rank)}
     return y.data, grads, runner.traffic[0], comm.counters.snapshot()
 
 
