@@ -1,4 +1,4 @@
-"""Command line: `python -m refimpl {train, verify, schedule, memory, consolidate, tensor-parallel} ...`.
+"""Command line: `python -m refimpl {train, verify, schedule, memory, consolidate, tensor-parallel, predict, plan, calibrate} ...`.
 
 Each command lives in its own module in refimpl/commands/, which provides `add_arguments(parser)`
 and `run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
@@ -26,6 +26,9 @@ COMMANDS = {
     "consolidate": ("refimpl.commands.consolidate", "merge a sharded checkpoint into one state dict (.npz)"),
     "tensor-parallel": ("refimpl.commands.tensor_parallel",
                         "tensor parallelism's activation, byte and parameter formulas beside the measurement"),
+    "predict": ("refimpl.commands.predict", "memory per GPU and step time of one configuration on a cluster"),
+    "plan": ("refimpl.commands.plan", "search the parallel configurations of a model on a cluster for the fastest"),
+    "calibrate": ("refimpl.commands.calibrate", "measure this machine's links, GEMM rate and overheads for the cluster model"),
 }
 
 

@@ -1,0 +1,461 @@
+"""The cost model: memory per GPU and time per step of a GPT on a cluster, from refimpl's own formulas.
+
+A run is a GPT (L blocks of width h, a heads, sequence s, vocabulary V; optionally a mixture of E
+experts, K per token) trained with a global batch of B sequences in micro-batches of b, on
+dp × tp × pp GPUs (Megatron-LM's layout, parallel/mesh.py), a ZeRO stage, a precision, a
+checkpoint mode and a pipeline schedule. Every term is a formula refimpl's executed code is tested
+against, or the schedule simulator itself; what is new here is only the hardware (α–β links,
+FLOP/s, memory bandwidth) and one fixed set of efficiencies, `EFFICIENCY`.
+
+Memory per GPU (bytes), on the pipeline rank that holds the most (the first or the last):
+
+    model states      the ZeRO paper's formulas (memory.py): P Ψ, G Ψ, K Ψ, each divided by dp
+                      where the stage shards it; Ψ: this rank's parameters (its blocks / tp, and
+                      the embedding or head / tp); mixed precision P = G = 2, K = 12
+    activations       saved per block (tensor_parallel/formulas.py's per-block elements, the
+                      formula the engine's saved-tensor ledger is tested against) × e bytes
+                      (2 for 16-bit, as the papers count) × blocks per stage × the schedule's
+                      peak of in-flight (stage, micro-batch) activations (the simulator's); full
+                      recomputation keeps each block's input (N·h, /tp with sequence parallelism),
+                      selective drops the attention core's b·a·s² terms; the last rank adds the
+                      head's saved logits (N·V/tp, float32)
+    working           one block's activations while it is recomputed (full), and the larger of
+                      the attention scores (2·b·(a/tp)·s²·e) and the float32 logits' gradient
+    buffers           two gradient buckets (`BUCKET_BYTES`, ZeRO 0–2), ZeRO-3's gathered
+                      parameters of two blocks (the one running and the one prefetched), the
+                      pipeline's send and receive buffers
+
+Time of one action (one stage of L/(pp·v) blocks, one micro-batch of N = b·s tokens):
+
+    F   GEMMs 24·N·h²/tp per block (MoE: attention's 8·N·h²/tp + K experts' 16·N·h² + the
+        router 2·N·h·E) at peak × EFFICIENCY.gemm; the attention core 4·N·s·h/tp at
+        peak × EFFICIENCY.attention; memory-bound kernels (layer norms, residual adds, GeLU,
+        softmax, dropout) at memory bandwidth × EFFICIENCY.memory; `operations` kernels at
+        op_overhead each; tensor parallelism's collectives (the counts of tensor_parallel/
+        formulas.py, not overlapped: refimpl runs them in line); ZeRO-3's all-gather where it
+        exceeds the compute it is prefetched behind; the last stage adds the head and the loss
+    I   the input gradients: the same GEMMs, twice the attention core and the memory-bound
+        traffic, tp's backward collectives; plus the recomputed forward (full: F's compute and
+        collectives; selective: the attention core)
+    W   the weight gradients: the same GEMMs again (B = I + W, F&B = F + B)
+    P   one pipeline message: b·s·h·e bytes (/tp with sequence parallelism), across nodes when
+        dp·tp fills a node
+
+A step is the schedule's makespan from the simulator (cluster/pipeline.py; m·(F + B) without a
+pipeline), plus the data-parallel reduction that the last backward does not hide (refimpl's
+bucketed DDP and ZeRO-1/2 reduce during each stage's last backward: exposed max(T − B, one
+bucket); ZeRO-1/2 all-gather the updated shards after the step, exposed), plus the optimizer
+(Adam, memory-bound: G + 2K + 2P bytes per parameter of the shard).
+
+Outputs: the memory and time breakdowns, tokens per second, and MFU as Chowdhery et al. 2022
+(PaLM, appendix B) define it: model FLOPs 6·N_params·tokens + 12·L·h·s·tokens (N_params: the
+matrix parameters, the head included; recomputation not counted) ÷ (step time × GPUs × peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from refimpl.memory import PRECISIONS, STAGE_NAMES
+from refimpl.parallel.pipeline.schedules import SCHEDULES
+from refimpl.parallel.tensor_parallel.formulas import saved_elements_per_block
+
+from .collectives import Group, Links
+from .hardware import Cluster
+from .pipeline import parameter_copies, simulate_step, visits
+
+CHECKPOINTS = ("none", "selective", "full")
+DTYPES = ("mixed", "float32", "float64")
+BUCKET_BYTES = 25 * 10**6  # PyTorch DDP's default bucket (bucket_cap_mb=25)
+# Kernels of one block's forward, as refimpl's engine runs it (one autograd operation each;
+# tests/test_cluster.py counts them); its backward runs as many again, twice for the weight halves.
+OPERATIONS_PER_BLOCK = 22
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The share of peak each kind of kernel reaches: one set for every cluster and every row
+    (docs/cluster_model.md shows the published rows it is checked on; none is fitted per row)."""
+
+    gemm: float = 0.8  # large matrix products (FLOP/s): cuBLAS reaches about 250 of the A100's 312
+    attention: float = 0.6  # the attention core's batched products (FLOP/s): smaller, less efficient
+    memory: float = 0.7  # memory-bound kernels (memory bandwidth)
+    network: float = 0.8  # collectives and messages (link bandwidth): NCCL's bus bandwidth vs the link
+
+
+EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training configuration (the flags of `predict`)."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    vocab_size: int
+    batch_size: int  # global, sequences per optimizer step
+    micro_batch_size: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    dtype: str = "mixed"
+    checkpoint: str = "none"
+    schedule: str = "1f1b"
+    chunks: int | None = None
+    sequence_parallel: bool = False
+    dropout: bool = False
+    tie_weights: bool = False
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    ep: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step and pipeline (per data-parallel replica)."""
+        return self.batch_size // (self.dp * self.micro_batch_size)
+
+    @property
+    def stages(self) -> int:
+        return self.pp * visits(self.schedule, self.chunks) if self.pp > 1 else 1
+
+    def check(self) -> "Run":
+        """Raise ValueError (one line: what is wrong and how to fix it) for a configuration that cannot run."""
+        for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "batch_size", "micro_batch_size",
+                     "dp", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
+        if self.n_head % self.tp:
+            raise ValueError(f"--tp {self.tp} must divide --n-head {self.n_head} (each tp rank takes whole heads)")
+        if self.batch_size % (self.dp * self.micro_batch_size):
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by dp × micro-batch size = "
+                             f"{self.dp} × {self.micro_batch_size}; each replica needs whole micro-batches")
+        if self.zero not in STAGE_NAMES:
+            raise ValueError(f"--zero must be 0, 1, 2 or 3; got {self.zero}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}; got {self.checkpoint!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel needs --tp > 1")
+        if self.experts:
+            if self.experts % self.ep or self.dp % self.ep:
+                raise ValueError(f"--ep {self.ep} must divide --experts {self.experts} and dp {self.dp}")
+            if self.tp > 1:
+                raise ValueError("experts with --tp > 1 are not modelled (refimpl refuses them too); use --ep")
+        if self.pp > 1:
+            if self.schedule not in SCHEDULES:
+                raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            from refimpl.parallel.pipeline import build
+            build(self.schedule, self.pp, min(self.micro_batches, 4 * self.pp + self.micro_batches % (2 * self.pp)),
+                  self.chunks)  # the generator's own checks (even pp, m >= 2pp, ...), on a short run
+            if self.schedule == "interleaved" and self.micro_batches % self.pp:
+                raise ValueError(f"interleaved needs micro-batches per replica ({self.micro_batches}) to be a multiple "
+                                 f"of --pp {self.pp}")
+        if self.n_layer < self.stages:
+            raise ValueError(f"--n-layer {self.n_layer} is fewer than the {self.stages} stages of {self.schedule} "
+                             f"(pp × chunks); every stage needs a block: lower --pp or --chunks")
+        return self
+
+    @property
+    def blocks_per_stage(self) -> int:
+        """Blocks of the largest stage (stage.py balances by count: they differ by at most one)."""
+        return -(-self.n_layer // self.stages)
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameters
+# ------------------------------------------------------------------------------------------------
+
+
+def moe_blocks(run: Run, blocks: int) -> int:
+    """Blocks with experts among `blocks` (every moe_every-th, as nn/models.py)."""
+    return blocks // run.moe_every if run.experts else 0
+
+
+def parameters(run: Run) -> int:
+    """Ψ of the whole model (refimpl's GPT: untied head unless tie_weights)."""
+    h, V = run.d_model, run.vocab_size
+    moe = moe_blocks(run, run.n_layer)
+    dense_blocks = run.n_layer - moe
+    expert_block = 4 * h * h + 8 * h + run.experts * (8 * h * h + 5 * h + h)
+    blocks = dense_blocks * (12 * h * h + 13 * h) + moe * expert_block
+    return blocks + V * h + run.seq_len * h + 2 * h + (0 if run.tie_weights else V * h)
+
+
+def matmul_parameters(run: Run) -> int:
+    """Parameters that multiply each token (PaLM's N for the model FLOPs): the blocks' matrices,
+    K of E experts' MLPs, the router, and the head."""
+    h = run.d_model
+    moe = moe_blocks(run, run.n_layer)
+    per_dense, per_moe = 12 * h * h, 4 * h * h + run.top_k * 8 * h * h + run.experts * h
+    return (run.n_layer - moe) * per_dense + moe * per_moe + run.vocab_size * h
+
+
+def rank_parameters(run: Run, first: bool, last: bool) -> tuple[int, int]:
+    """(dense, expert) parameter elements one GPU holds: its blocks / tp (experts / ep), and the
+    embedding (first stage) or head (last stage) / tp. DualPipe holds two stages."""
+    h, t = run.d_model, run.tp
+    blocks = -(-run.n_layer // run.pp) * parameter_copies(run.schedule) if run.pp > 1 else run.n_layer
+    moe = moe_blocks(run, blocks)
+    dense = (blocks - moe) * ((12 * h * h + 7 * h) // t + 6 * h)
+    dense += moe * (4 * h * h // t + 4 * h // t + 4 * h + 4 * h)  # attention split, norms whole
+    experts = moe * (run.experts // run.ep) * (8 * h * h + 5 * h) + moe * run.experts * h
+    V = -(-run.vocab_size // t) * t
+    if first:
+        dense += V * h // t + run.seq_len * h
+    if last:
+        dense += (0 if run.tie_weights and first else V * h // t) + 2 * h
+    return dense, experts
+
+
+# ------------------------------------------------------------------------------------------------
+# One action's time
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ActionTimes:
+    """Seconds of one action, split by what they are (for the step's breakdown)."""
+
+    F: dict = field(default_factory=dict)
+    I: dict = field(default_factory=dict)
+    W: dict = field(default_factory=dict)
+    P: float = 0.0
+
+    def total(self, kind: str) -> float:
+        return sum(getattr(self, kind).values())
+
+
+def _add(d: dict, key: str, value: float) -> None:
+    d[key] = d.get(key, 0.0) + value
+
+
+def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last: bool = True) -> ActionTimes:
+    """F, I, W of one stage and micro-batch, and P, by part: compute, recompute, tp, zero3."""
+    h, s, a, t, b, V = run.d_model, run.seq_len, run.n_head, run.tp, run.micro_batch_size, run.vocab_size
+    N = b * s
+    e = _itemsize(run.dtype)
+    flops = cluster.flops(run.dtype)
+    links = Links.of(cluster, eff.network)
+    blocks = run.blocks_per_stage
+    moe = moe_blocks(run, blocks)
+    sp = run.sequence_parallel
+    gemm_rate, core_rate, bandwidth = flops * eff.gemm, flops * eff.attention, cluster.memory_bandwidth * eff.memory
+
+    # Per block, forward: GEMMs, the attention core, memory-bound traffic (elements per token).
+    dense_gemm = 24 * N * h * h / t
+    moe_gemm = 8 * N * h * h / t + run.top_k * 16 * N * h * h + 2 * N * h * run.experts
+    gemm = (blocks - moe) * dense_gemm + moe * moe_gemm
+    core = blocks * 4 * N * s * h / t
+    whole = (4 + 6) * h + (9 * h if run.dropout else 0)  # layer norms, residual adds, dropouts
+    split = 8 * h + 2 * a * s + (3 * a * s if run.dropout else 0)  # GeLU; softmax (and its dropout) per head
+    traffic = blocks * N * e * ((whole / t if sp else whole) + split / t)
+    overhead = blocks * OPERATIONS_PER_BLOCK * cluster.op_overhead
+    times = ActionTimes()
+    _add(times.F, "compute", gemm / gemm_rate + core / core_rate + traffic / bandwidth + overhead)
+    _add(times.I, "compute", gemm / gemm_rate + 2 * core / core_rate + 2 * traffic / bandwidth + overhead)
+    _add(times.W, "compute", gemm / gemm_rate + overhead)
+    if last:  # the head: a GEMM each way, the float32 softmax cross-entropy (3 passes forward, 2 back)
+        head = 2 * N * h * V / t
+        _add(times.F, "compute", head / gemm_rate + 3 * N * V / t * 4 / bandwidth)
+        _add(times.I, "compute", head / gemm_rate + 2 * N * V / t * 4 / bandwidth)
+        _add(times.W, "compute", head / gemm_rate)
+
+    # Tensor parallelism: collectives of N·h elements per block (tensor_parallel/formulas.py's counts).
+    tp_group = Group.of(t, 1, cluster)
+    nh = N * h * e
+    if t > 1:
+        if sp:
+            forward = 2 * (links.allgather(nh, tp_group) + links.reduce_scatter(nh, tp_group))
+            backward = 4 * links.allgather(nh, tp_group) + 2 * links.reduce_scatter(nh, tp_group)
+        else:
+            forward = backward = 2 * links.allreduce(nh, tp_group)
+        _add(times.F, "tp", blocks * forward)
+        _add(times.I, "tp", blocks * backward)
+        if run.checkpoint == "full":
+            _add(times.I, "tp", blocks * forward)
+
+    # Recomputation, charged to the backward that needs it.
+    if run.checkpoint == "full":
+        _add(times.I, "recompute", times.F["compute"] - (_head_forward(run, cluster, eff) if last else 0.0))
+    elif run.checkpoint == "selective":
+        _add(times.I, "recompute", core / core_rate + blocks * N * e * (2 * a * s / t) / bandwidth)
+
+    # ZeRO-3: the stage's parameters gathered for F and for B, gradients reduce-scattered in B,
+    # prefetched behind the compute (exposed: what the compute does not cover, and the first block).
+    if run.zero == 3 and run.dp > 1:
+        dp_group = Group.of(run.dp, t, cluster)
+        dense, experts = rank_parameters(run, first=False, last=last)
+        psi_stage = (dense + experts) / visits(run.schedule, run.chunks) if run.pp > 1 else dense + experts
+        p_bytes, g_bytes, _ = PRECISIONS[run.dtype]
+        gather = links.allgather(psi_stage * p_bytes, dp_group)
+        scatter = links.reduce_scatter(psi_stage * g_bytes, dp_group)
+        first_block = gather / max(blocks, 1)
+        _add(times.F, "zero3", first_block + max(0.0, gather - first_block - times.total("F")))
+        backward = times.total("I") + times.total("W")
+        _add(times.I, "zero3", first_block + max(0.0, gather + scatter - first_block - backward))
+
+    # Experts' all-to-alls (dispatch and combine, forward and backward): one after the other.
+    if moe and run.ep > 1:
+        ep_group = Group.of(run.ep, t, cluster)
+        a2a = links.all_to_all(run.top_k * N * h * e, ep_group)
+        _add(times.F, "ep", 2 * moe * a2a)
+        _add(times.I, "ep", 2 * moe * a2a)
+
+    # A pipeline message: the activation (or its gradient) of one micro-batch.
+    if run.pp > 1:
+        across = run.dp * run.tp >= cluster.gpus_per_node
+        times.P = links.send(nh / t if sp else nh, across)
+    return times
+
+
+def _head_forward(run: Run, cluster: Cluster, eff: Efficiency) -> float:
+    N, h, V, t = run.micro_batch_size * run.seq_len, run.d_model, run.vocab_size, run.tp
+    return 2 * N * h * V / t / (cluster.flops(run.dtype) * eff.gemm) + 3 * N * V / t * 4 / (
+        cluster.memory_bandwidth * eff.memory)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"mixed": 2, "float32": 4, "float64": 8}[dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# The prediction
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    run: Run
+    cluster: str
+    step_seconds: float
+    tokens_per_second: float
+    model_flops_per_gpu_per_second: float
+    mfu: float
+    memory_per_gpu_bytes: int
+    fits: bool
+    memory: dict  # bytes by part, on the rank that holds the most
+    time: dict  # seconds per step by part
+    parameters: int
+    micro_batches: int
+    peak_in_flight: int
+    simulated_micro_batches: tuple = ()
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["run"] = asdict(self.run)
+        return out
+
+
+def efficiency_of(cluster: Cluster) -> Efficiency:
+    """The cluster's own efficiencies (a calibrated machine's), else the one fixed set."""
+    return Efficiency(**{**asdict(EFFICIENCY), **cluster.efficiency}) if cluster.efficiency else EFFICIENCY
+
+
+def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None) -> Prediction:
+    run.check()
+    eff = eff or efficiency_of(cluster)
+    m = run.micro_batches
+    t_last = action_times(run, cluster, eff, last=True)  # every stage timed as the last (the head's)
+    F, I, W = t_last.total("F"), t_last.total("I"), t_last.total("W")
+    if run.pp > 1:
+        pipe = simulate_step(run.schedule, run.pp, m, run.chunks, F, I, W, t_last.P)
+        makespan, busy, peaks, simulated = pipe.makespan, pipe.busy, pipe.peak_in_flight, pipe.simulated_micro_batches
+    else:
+        makespan = busy = m * (F + I + W)
+        peaks, simulated = (1,), ()
+    n = m * visits(run.schedule, run.chunks) if run.pp > 1 else m  # actions of each kind per rank
+
+    time = {"compute": 0.0, "recompute": 0.0, "tp_communication": 0.0, "zero3_communication": 0.0,
+            "ep_communication": 0.0}
+    names = {"compute": "compute", "recompute": "recompute", "tp": "tp_communication", "zero3": "zero3_communication",
+             "ep": "ep_communication"}
+    for kind in ("F", "I", "W"):
+        for part, seconds in getattr(t_last, kind).items():
+            time[names[part]] += n * seconds
+    time["bubble"] = makespan - busy
+    time["dp_communication"] = _dp_exposed(run, cluster, eff, I + W)
+    time["optimizer"] = _optimizer_seconds(run, cluster, eff)
+    step = makespan + time["dp_communication"] + time["optimizer"]
+
+    tokens = run.batch_size * run.seq_len
+    model_flops = tokens * (6 * matmul_parameters(run) + 12 * run.n_layer * run.d_model * run.seq_len)
+    per_gpu = model_flops / step / run.gpus
+    memory = max((memory_breakdown(run, cluster, peaks[r], first=(r == 0), last=(r == len(peaks) - 1))
+                  for r in {0, len(peaks) - 1}), key=lambda d: sum(d.values()))
+    total = int(sum(memory.values()))
+    return Prediction(run=run, cluster=cluster.name, step_seconds=step, tokens_per_second=tokens / step,
+                      model_flops_per_gpu_per_second=per_gpu, mfu=per_gpu / cluster.flops(run.dtype),
+                      memory_per_gpu_bytes=total, fits=total <= cluster.memory_bytes, memory=memory, time=time,
+                      parameters=parameters(run), micro_batches=m, peak_in_flight=max(peaks),
+                      simulated_micro_batches=simulated)
+
+
+def _dp_exposed(run: Run, cluster: Cluster, eff: Efficiency, backward: float) -> float:
+    """The data-parallel reduction the last backward does not hide, and ZeRO-1/2's all-gather."""
+    if run.dp == 1 or run.zero == 3:
+        return 0.0  # ZeRO-3's traffic is inside the actions
+    links = Links.of(cluster, eff.network)
+    group = Group.of(run.dp, run.tp, cluster)
+    dense, experts = rank_parameters(run, first=True, last=run.pp == 1)
+    p_bytes, g_bytes, _ = PRECISIONS[run.dtype]
+    grads = dense * g_bytes
+    bucket_share = min(1.0, BUCKET_BYTES / max(grads, 1))
+    if run.zero == 0:
+        reduce = links.allreduce(grads, group)
+        return max(reduce - backward, reduce * bucket_share)
+    reduce = links.reduce_scatter(grads, group)
+    exposed = max(reduce - backward, reduce * bucket_share)
+    return exposed + links.allgather(dense * p_bytes, group)
+
+
+def _optimizer_seconds(run: Run, cluster: Cluster, eff: Efficiency) -> float:
+    dense, experts = rank_parameters(run, first=True, last=run.pp == 1)
+    p_bytes, g_bytes, k_bytes = PRECISIONS[run.dtype]
+    shard = dense / run.dp if run.zero else dense
+    shard += experts / (run.dp // run.ep) if run.zero else experts
+    return shard * (g_bytes + 2 * k_bytes + 2 * p_bytes) / (cluster.memory_bandwidth * eff.memory)
+
+
+def memory_breakdown(run: Run, cluster: Cluster, in_flight: int, first: bool, last: bool) -> dict:
+    """Bytes one GPU holds at its peak, by part (the module docstring)."""
+    h, s, a, t, b, V = run.d_model, run.seq_len, run.n_head, run.tp, run.micro_batch_size, run.vocab_size
+    e = _itemsize(run.dtype)
+    p_bytes, g_bytes, k_bytes = PRECISIONS[run.dtype]
+    dense, experts = rank_parameters(run, first, last)
+    z, n, n_experts = run.zero, run.dp, run.dp // run.ep
+    out = {
+        "parameters": p_bytes * (dense / n + experts / n_experts if z == 3 else dense + experts),
+        "gradients": g_bytes * (dense / n + experts / n_experts if z >= 2 else dense + experts),
+        "optimizer_states": k_bytes * (dense / n + experts / n_experts if z >= 1 else dense + experts),
+    }
+    blocks = run.blocks_per_stage
+    per_block = e * sum(saved_elements_per_block(b, s, h, a, t, run.sequence_parallel, run.dropout,
+                                                 selective=run.checkpoint == "selective").values())
+    if run.experts:
+        per_block += e * moe_blocks(run, blocks) / blocks * b * s * (run.top_k * 14 * h + 2 * run.experts)
+    kept = e * b * s * h / (t if run.sequence_parallel else 1) if run.checkpoint == "full" else per_block
+    activations = in_flight * blocks * kept
+    if last:
+        activations += b * s * V / t * 4  # the head's float32 logits, kept for the loss's backward
+    out["activations"] = activations
+    working = max(2 * b * (a / t) * s * s * e, 2 * b * s * V / t * 4)
+    out["working"] = working + (blocks * per_block if run.checkpoint == "full" else 0)
+    buffers = 2 * e * b * s * h if run.pp > 1 else 0
+    if z == 3:
+        buffers += 2 * p_bytes * (12 * h * h // t)
+    elif run.dp > 1:
+        buffers += 2 * min(BUCKET_BYTES, g_bytes * dense)
+    out["buffers"] = buffers
+    return {k: int(v) for k, v in out.items()}

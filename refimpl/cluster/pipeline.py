@@ -1,0 +1,85 @@
+"""The pipeline part of a step: refimpl's schedule simulator run on the cost model's action times.
+
+The cost model gives one action's time (F, I, W of one stage and micro-batch, P of one pipeline
+message); the schedule and the simulator (parallel/pipeline/simulate.py) give the makespan of one
+step and the peak of in-flight activations, exactly as `python -m refimpl schedule` does for a
+schedule the executor runs. Times go in as whole nanoseconds so that the simulator's exact
+arithmetic stays on integers.
+
+A long run (thousands of micro-batches on 64 stages) would take seconds to simulate, and its
+steady state repeats: after the first 2p micro-batches (4p for DualPipe, whose micro-batches
+come in pairs of directions) every further p (2p) micro-batches add the same time. So for
+m > m₂ the makespan is extrapolated from two simulations,
+
+    m₁ = 2p·u + (m mod p·u),   m₂ = m₁ + p·u       (u = 2 for dualpipe, else 1)
+    makespan(m) = makespan(m₁) + (m − m₁)/(p·u) · (makespan(m₂) − makespan(m₁)),
+
+which equals the full simulation exactly on every schedule, stage count and cost tested
+(tests/test_cluster.py draws them). The peak of in-flight activations is reached within the first
+m₁ micro-batches, except GPipe's, which is m.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+
+from refimpl.parallel.pipeline import Costs, build
+from refimpl.parallel.pipeline.simulate import peak_in_flight, step_times
+
+NS = 1e-9
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    makespan: float  # seconds, one step's forwards and backwards on the busiest rank
+    busy: float  # seconds of actions on that rank
+    peak_in_flight: tuple[int, ...]  # per rank: (stage, micro-batch) activations held at once (freed at W)
+    simulated_micro_batches: tuple[int, ...]  # the m of each simulation (one: not extrapolated)
+
+
+def visits(schedule: str, chunks: int | None) -> int:
+    """How often a micro-batch passes each rank: the model is cut into pp · visits stages."""
+    if schedule == "interleaved":
+        return chunks or 2
+    return 2 if schedule in ("zbv", "dualpipev") else 1
+
+
+def parameter_copies(schedule: str) -> int:
+    """DualPipe keeps every stage on two ranks (one per direction): twice the parameters."""
+    return 2 if schedule == "dualpipe" else 1
+
+
+def _unit(schedule: str) -> int:
+    return 2 if schedule == "dualpipe" else 1
+
+
+def _makespan(schedule: str, pp: int, m: int, chunks, costs: Costs) -> tuple[Fraction, list[int]]:
+    sched = build(schedule, pp, m, chunks)
+    intervals = step_times(sched, costs)
+    makespan = max(iv[-1][1] for iv in intervals if iv)
+    return makespan, [peak_in_flight(sched, r, "W") for r in range(pp)]
+
+
+@lru_cache(maxsize=256)
+def simulate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, I: float, W: float,
+                  P: float) -> PipelineTime:
+    """One step of `schedule` on pp ranks with m micro-batches; F, I, W (one action) and P (one
+    message's delay) in seconds. B = I + W and F&B = F + B, as the executor runs them."""
+    costs = Costs(F=round(F / NS), I=round(I / NS), W=round(W / NS), P=round(P / NS))
+    u = _unit(schedule)
+    period = pp * u
+    m1 = 2 * period + m % period
+    if m <= m1 + period:
+        makespan, peaks = _makespan(schedule, pp, m, chunks, costs)
+        simulated = (m,)
+    else:
+        t1, peaks = _makespan(schedule, pp, m1, chunks, costs)
+        t2, _ = _makespan(schedule, pp, m1 + period, chunks, costs)
+        makespan = t1 + Fraction(m - m1, period) * (t2 - t1)
+        simulated = (m1, m1 + period)
+        if schedule == "gpipe":
+            peaks = [m] * pp
+    busy_per_rank = m * visits(schedule, chunks) * (costs.F + costs.I + costs.W)  # the same on every rank
+    return PipelineTime(float(makespan) * NS, float(busy_per_rank) * NS, tuple(peaks), simulated)
