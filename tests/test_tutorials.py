@@ -55,7 +55,7 @@ def test_there_are_tutorials():
     names = [p.stem for p in TUTORIALS]
     for expected in ("01_autograd", "02_gpt", "03_collectives", "04_data_parallel", "05_zero", "06_checkpointing",
                      "07_pipeline_schedules", "08_zero_bubble", "09_everything_together", "10_tensor_parallel",
-                     "11_experts_and_overlap"):
+                     "11_experts_and_overlap", "12_planning_a_run"):
         assert expected in names
 
 
@@ -252,6 +252,57 @@ def _exposed_without_final_wait(order, cost):
     return clock - busy  # the end forgets an all-to-all still in flight
 
 
+def _planning_solution(name):
+    import runpy
+
+    return runpy.run_path(str(SOLUTIONS / "12_planning_a_run.py"))[name]
+
+
+def _states_without_tp(run, first, last):
+    from refimpl.memory import PRECISIONS
+
+    h, t = run.d_model, run.tp
+    psi = -(-run.n_layer // run.pp) * (12 * h * h + 13 * h)  # the blocks whole on every tp rank
+    vocab = -(-run.vocab_size // t) * t
+    psi += (vocab * h / t + run.seq_len * h if first else 0) + (vocab * h / t + 2 * h if last else 0)
+    p, g, k = PRECISIONS[run.dtype]
+    n = run.dp
+    return psi * ((p / n if run.zero >= 3 else p) + (g / n if run.zero >= 2 else g) + (k / n if run.zero >= 1 else k))
+
+
+def _states_embedding_everywhere(run, first, last):
+    return _planning_solution("model_state_bytes")(run, True, True)
+
+
+def _states_over_all_gpus(run, first, last):
+    from dataclasses import replace
+
+    return _planning_solution("model_state_bytes")(replace(run, dp=run.gpus), first, last)
+
+
+def _activations_gpipe(run):
+    right = _planning_solution("activation_bytes")
+    return right(run) * run.micro_batches / min(run.pp, run.micro_batches) if run.pp > 1 else right(run) + 1
+
+
+def _compute_without_bubble(run, cluster):
+    right = _planning_solution("compute_seconds")(run, cluster)
+    return right / (1 + (run.pp - 1) / run.micro_batches) if run.pp > 1 else right * 2
+
+
+def _mfu_with_recompute(run, cluster, step_seconds):
+    h, s, L = run.d_model, run.seq_len, run.n_layer
+    extra = {"full": 24 * L * h * h + 4 * L * h * s, "selective": 4 * L * h * s, "none": 0}[run.checkpoint]
+    return _planning_solution("mfu")(run, cluster, step_seconds) + (
+        run.batch_size * s * extra / step_seconds / run.gpus / cluster.flops(run.dtype))
+
+
+def _tp_share_one_allreduce(h, t, cluster):
+    share = _planning_solution("tp_share")(h, t, cluster)
+    x = share / (1 - share) / 2  # half the communication
+    return x / (1 + x)
+
+
 def _wrong_one_f_one_b(pp, m):
     return [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)] for _ in range(pp)]  # GPipe's order
 
@@ -306,6 +357,13 @@ WRONG = [
      "your order never switches"),
     ("experts", "check_exposed_time", _all_alltoalls_exposed, "You counted every all-to-all as exposed"),
     ("experts", "check_exposed_time", _exposed_without_final_wait, "the step ends only when it has arrived"),
+    ("planning", "check_model_state_bytes", _states_without_tp, "did not divide the blocks' matrices by tp"),
+    ("planning", "check_model_state_bytes", _states_embedding_everywhere, "counted the embedding"),
+    ("planning", "check_model_state_bytes", _states_over_all_gpus, "sharded over every GPU (dp·tp·pp = 1024)"),
+    ("planning", "check_activation_bytes", _activations_gpipe, "that is GPipe, not 1F1B"),
+    ("planning", "check_compute_seconds", _compute_without_bubble, "left out the bubble"),
+    ("planning", "check_mfu", _mfu_with_recompute, "hardware FLOPs utilisation (HFU)"),
+    ("planning", "check_tp_share", _tp_share_one_allreduce, "counted one all-reduce per block"),
 ]
 
 
