@@ -62,7 +62,7 @@ from refimpl.parallel.tensor_parallel.formulas import saved_elements_per_block
 
 from .collectives import Group, Links
 from .hardware import Cluster
-from .pipeline import parameter_copies, simulate_step, visits
+from .pipeline import estimate_step, parameter_copies, simulate_step, visits
 
 CHECKPOINTS = ("none", "selective", "full")
 DTYPES = ("mixed", "float32", "float64")
@@ -363,14 +363,19 @@ def efficiency_of(cluster: Cluster) -> Efficiency:
     return Efficiency(**{**asdict(EFFICIENCY), **cluster.efficiency}) if cluster.efficiency else EFFICIENCY
 
 
-def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None) -> Prediction:
-    run.check()
+def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate: bool = True,
+            check: bool = True) -> Prediction:
+    """Memory and step time of `run` on `cluster`. simulate=False: the pipeline from the closed
+    forms instead of the simulator (cluster/pipeline.py's estimate_step; what `plan` ranks with);
+    check=False: `run` is known to be valid (plan's candidates are, by construction)."""
+    if check:
+        run.check()
     eff = eff or efficiency_of(cluster)
     m = run.micro_batches
     t_last = action_times(run, cluster, eff, last=True)  # every stage timed as the last (the head's)
     F, I, W = t_last.total("F"), t_last.total("I"), t_last.total("W")
     if run.pp > 1:
-        pipe = simulate_step(run.schedule, run.pp, m, run.chunks, F, I, W, t_last.P)
+        pipe = (simulate_step if simulate else estimate_step)(run.schedule, run.pp, m, run.chunks, F, I, W, t_last.P)
         makespan, busy, peaks, simulated = pipe.makespan, pipe.busy, pipe.peak_in_flight, pipe.simulated_micro_batches
     else:
         makespan = busy = m * (F + I + W)
@@ -447,11 +452,12 @@ def memory_breakdown(run: Run, cluster: Cluster, in_flight: int, first: bool, la
         per_block += e * moe_blocks(run, blocks) / blocks * b * s * (run.top_k * 14 * h + 2 * run.experts)
     kept = e * b * s * h / (t if run.sequence_parallel else 1) if run.checkpoint == "full" else per_block
     activations = in_flight * blocks * kept
+    shard = -(-V // t)  # vocabulary columns per tp rank (padded to a multiple of t)
     if last:
-        activations += b * s * V / t * 4  # the head's float32 logits, kept for the loss's backward
+        activations += b * s * shard * 4  # the head's float32 logits, kept for the loss's backward
     out["activations"] = activations
-    working = max(2 * b * (a / t) * s * s * e, 2 * b * s * V / t * 4)
-    out["working"] = working + (blocks * per_block if run.checkpoint == "full" else 0)
+    working = max(2 * b * (a / t) * s * s * e, 2 * b * s * shard * 4)
+    out["working"] = working + (per_block if run.checkpoint == "full" else 0)  # the block being recomputed
     buffers = 2 * e * b * s * h if run.pp > 1 else 0
     if z == 3:
         buffers += 2 * p_bytes * (12 * h * h // t)

@@ -17,6 +17,11 @@ m > m₂ the makespan is extrapolated from two simulations,
 which equals the full simulation exactly on every schedule, stage count and cost tested
 (tests/test_cluster.py draws them). The peak of in-flight activations is reached within the first
 m₁ micro-batches, except GPipe's, which is m.
+
+`estimate_step` is the cheap version `plan` ranks thousands of candidates with: busy time plus
+the published closed-form idle of parallel/pipeline/formulas.py (exact at zero latency under the
+conditions it states), plus 2(p − 1) message delays for the fill and the drain, and the closed
+forms' peaks. `plan` then simulates the best candidates with `simulate_step`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from refimpl.parallel.pipeline import Costs, build
+from refimpl.parallel.pipeline import Costs, build, closed_form
 from refimpl.parallel.pipeline.simulate import peak_in_flight, step_times
 
 NS = 1e-9
@@ -83,3 +88,26 @@ def simulate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, 
             peaks = [m] * pp
     busy_per_rank = m * visits(schedule, chunks) * (costs.F + costs.I + costs.W)  # the same on every rank
     return PipelineTime(float(makespan) * NS, float(busy_per_rank) * NS, tuple(peaks), simulated)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What formulas.closed_form reads of a schedule, without building its lists."""
+
+    name: str
+    pp: int
+    micro_batches: int
+    chunks: int
+    num_stages: int
+
+
+def estimate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, I: float, W: float,
+                  P: float) -> PipelineTime:
+    """busy + the closed-form idle + 2(pp − 1)·P, and the closed forms' peaks (module docstring)."""
+    v = visits(schedule, chunks)
+    shape = _Shape(schedule, pp, m, v, pp * v)
+    form = closed_form(shape, Costs(F=round(F / NS), I=round(I / NS), W=round(W / NS)))
+    peaks = form.peak_activations or [min(m, pp) * v] * pp  # m < p: a bound (every micro-batch in flight)
+    busy = m * v * (F + I + W)
+    idle = float(form.idle) * NS + 2 * (pp - 1) * P
+    return PipelineTime(busy + idle, busy, tuple(peaks), ())

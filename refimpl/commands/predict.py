@@ -120,7 +120,7 @@ def report(p: Prediction, cluster: hardware.Cluster) -> str:
     verdict = "fits" if p.fits else f"does NOT fit: {format_bytes(total - cluster.memory_bytes)} over"
     lines.append(f"  {'total':<18} {format_bytes(total):>10}  of {format_bytes(cluster.memory_bytes)}: {verdict}")
     lines.append("")
-    lines.append("time per step (the busiest rank)")
+    lines.append("time per step (every stage timed as the slowest, the last with the head)")
     for part, value in p.time.items():
         if value or part in ("compute", "bubble"):
             lines.append(f"  {part:<18} {value:10.4g} s  {100 * value / p.step_seconds:5.1f}%")

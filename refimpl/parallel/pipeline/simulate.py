@@ -251,7 +251,7 @@ def _ready_time(action: Action, here: int, schedule: Schedule, done: dict, laten
             needs.append((_backward_done(done, s + 1, m), placement.rank_of(s + 1, action.direction)))
     else:  # W
         needs.append((done.get(("I", s, m)), here))
-    ready = Fraction(0)
+    ready = 0
     for when, where in needs:
         if when is None:
             return None
@@ -263,18 +263,18 @@ def step_times(schedule: Schedule, costs: Costs, latency=0, exchanges=None,
                overlap: bool = True) -> list[list[tuple[Fraction, Fraction, Step]]]:
     """Start and end of every step, rank by rank. Raises Deadlock if the lists cannot all finish.
     A message arrives latency + costs.P after its send; `exchanges` and `overlap`: the chunk model."""
-    latency = _frac(latency) + costs.P
+    latency = _whole(_frac(latency) + costs.P)
     durations: dict = {}  # (kinds and stages of a step) -> its duration
 
     def duration(step: Step) -> Fraction:
         key = (step.kind, tuple((a.kind, a.stage) for a in step.parts))
         if key not in durations:
-            durations[key] = run_step(step, costs, exchanges, overlap).duration
+            durations[key] = _whole(run_step(step, costs, exchanges, overlap).duration)
         return durations[key]
 
     done: dict[tuple[str, int, int], Fraction] = {}  # (kind, stage, mb) -> end time
     position = [0] * schedule.pp
-    free_at = [Fraction(0)] * schedule.pp
+    free_at = [0] * schedule.pp
     intervals: list[list] = [[] for _ in range(schedule.pp)]
     remaining = sum(len(r) for r in schedule.ranks)
     while remaining:
@@ -300,7 +300,13 @@ def step_times(schedule: Schedule, costs: Costs, latency=0, exchanges=None,
                 f"rank {r} at {schedule.ranks[r][position[r]]}" for r in range(schedule.pp) if position[r] < len(schedule.ranks[r])
             )
             raise Deadlock(f"{schedule.name}: no rank can proceed ({waiting})")
-    return intervals
+    return [[(Fraction(start), Fraction(end), step) for start, end, step in iv] for iv in intervals]
+
+
+def _whole(x: Fraction):
+    """A whole number as an int: integer costs then run in int arithmetic, many times faster than
+    Fraction's, and still exact (step_times hands back Fractions either way)."""
+    return int(x) if x.denominator == 1 else x
 
 
 def peak_in_flight(schedule: Schedule, rank: int, free_at: str = "W") -> int:

@@ -1,0 +1,137 @@
+"""Plan a run: search the parallel configurations of a model on G GPUs for the fastest that fits.
+
+The search space (issue 18; what Megatron-LM's and DeepSpeed's users choose by hand):
+
+    tp          powers of two up to a node's GPUs, dividing the heads
+    pp          divisors of the layer count (every stage gets whole blocks), with tp · pp dividing G
+    dp          G / (tp · pp), dividing the global batch into whole micro-batches
+    ZeRO        0, 1, 2, 3
+    recompute   none, selective, full
+    schedule    1f1b, interleaved (2 chunks), zb1p, dualpipe  (pp > 1; the generators' own rules)
+    micro-batch 1 … 8 sequences
+    sequence parallelism on and off (tp > 1)
+
+Each candidate is first checked for memory and ranked with the cost model's cheap pipeline
+estimate (the closed forms; model.predict(simulate=False)); the best `refine` candidates that fit
+are then predicted with the schedule simulator, and the result is ranked by simulated step time
+(ties: less memory). Candidates that do not fit are counted, with the smallest overshoot, so that
+"fits nowhere" says by how much.
+
+`--params 70B` picks the model shape: the published GPT shape (GPT-3's family, Brown et al.
+2020, Table 2.1; Megatron-LM's weak-scaling models, Narayanan et al. 2021, Table 1) whose
+parameter count is nearest in log scale (PARAMETER_SHAPES below; `plan` prints the one it took).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .hardware import Cluster
+from .model import CHECKPOINTS, Prediction, Run, parameters, predict
+
+# (name, layers, width, heads): GPT-3 (Brown et al. 2020, Table 2.1) and Megatron-LM's
+# weak-scaling models (Narayanan et al. 2021, Table 1), sequence 2048.
+PARAMETER_SHAPES = (
+    ("GPT-3 Small 125M", 12, 768, 12),
+    ("GPT-3 Medium 350M", 24, 1024, 16),
+    ("GPT-3 Large 760M", 24, 1536, 16),
+    ("GPT-3 XL 1.3B", 24, 2048, 16),
+    ("GPT-3 2.7B", 32, 2560, 32),
+    ("GPT-3 6.7B", 32, 4096, 32),
+    ("GPT-3 13B", 40, 5120, 40),
+    ("Megatron 18.4B", 40, 6144, 48),
+    ("Megatron 39.1B", 48, 8192, 64),
+    ("Megatron 76.1B", 60, 10240, 80),
+    ("GPT-3 175B", 96, 12288, 96),
+    ("Megatron 310.1B", 96, 16384, 128),
+    ("Megatron 529.6B", 105, 20480, 128),
+    ("Megatron 1T", 128, 25600, 160),
+)
+PLAN_SCHEDULES = ("1f1b", "interleaved", "zb1p", "dualpipe")
+MICRO_BATCH_SIZES = tuple(range(1, 9))
+
+
+def shape_for(params: int, seq_len: int = 2048, vocab_size: int = 51200) -> tuple[str, int, int, int]:
+    """The published shape whose Ψ (refimpl's count, tied embeddings) is nearest `params` in log scale."""
+    def psi(shape):
+        _, L, h, a = shape
+        return parameters(Run(L, h, a, seq_len, vocab_size, 1, tie_weights=True))
+    return min(PARAMETER_SHAPES, key=lambda shape: abs(math.log(psi(shape) / params)))
+
+
+@dataclass
+class Plan:
+    best: list[Prediction]  # fastest first (simulated)
+    searched: int  # candidates that can run (degrees, batch, schedule rules)
+    fitting: int  # of which fit in memory
+    not_fitting_least: Prediction | None  # the one that misses by the least, when none fits
+    all_points: list[tuple[float, float, bool]] = field(default_factory=list)  # (memory, estimated step, fits)
+
+
+def candidates(base: Run, gpus: int, cluster: Cluster):
+    """Every Run of the search space for `base`'s model on `gpus` GPUs (module docstring)."""
+    L, heads, B = base.n_layer, base.n_head, base.batch_size
+    tps = [t for t in (2 ** i for i in range(int(math.log2(cluster.gpus_per_node)) + 1))
+           if t <= cluster.gpus_per_node and heads % t == 0 and gpus % t == 0]
+    for tp in tps:
+        for pp in (p for p in range(1, L + 1) if L % p == 0 and gpus % (tp * p) == 0):
+            dp = gpus // (tp * pp)
+            schedules = [("1f1b", None)] if pp == 1 else [(s, 2 if s == "interleaved" else None) for s in PLAN_SCHEDULES]
+            for mbs in MICRO_BATCH_SIZES:
+                if B % (dp * mbs):
+                    continue
+                m = B // (dp * mbs)
+                for schedule, chunks in schedules:
+                    if not _schedule_allows(schedule, pp, m, L, chunks):
+                        continue
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        for zero in range(4):
+                            if zero and dp == 1:
+                                continue  # nothing to shard over
+                            for checkpoint in CHECKPOINTS:
+                                yield replace(base, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, schedule=schedule,
+                                              chunks=chunks, sequence_parallel=sp, zero=zero, checkpoint=checkpoint)
+
+
+def _schedule_allows(schedule: str, pp: int, m: int, L: int, chunks) -> bool:
+    """The generators' rules (parallel/pipeline/schedules/), without building the lists."""
+    if pp == 1:
+        return True
+    if schedule == "interleaved":
+        return m % pp == 0 and L % (pp * chunks) == 0
+    if schedule == "dualpipe":
+        return pp % 2 == 0 and m % 2 == 0 and m >= 2 * pp
+    return True
+
+
+def plan(base: Run, gpus: int, cluster: Cluster, top: int = 5, refine: int = 20) -> Plan:
+    """Search (module docstring); `base` gives the model, the batch and the precision."""
+    estimates, searched, least = [], 0, None
+    points = []
+    for run in candidates(base, gpus, cluster):
+        searched += 1
+        estimate = predict(run, cluster, simulate=False, check=False)
+        points.append((estimate.memory_per_gpu_bytes, estimate.step_seconds, estimate.fits))
+        if estimate.fits:
+            estimates.append(estimate)
+        elif least is None or estimate.memory_per_gpu_bytes < least.memory_per_gpu_bytes:
+            least = estimate
+    if not searched:
+        raise ValueError(f"no configuration of {base.n_layer} layers and {base.n_head} heads divides over {gpus} "
+                         f"GPUs with batch {base.batch_size}: choose a GPU count that is a multiple of a power of "
+                         f"two dividing the heads, and a batch divisible by the data-parallel degree")
+    estimates.sort(key=lambda p: (p.step_seconds, p.memory_per_gpu_bytes))
+    refined = [predict(p.run, cluster, check=False) for p in estimates[:max(refine, top)]]
+    refined.sort(key=lambda p: (p.step_seconds, p.memory_per_gpu_bytes))
+    return Plan(refined[:top], searched, len(estimates), least if not estimates else None, points)
+
+
+def why_slower(p: Prediction, best: Prediction) -> str:
+    """The parts of the step in which `p` loses most to `best`."""
+    gaps = {part: p.time.get(part, 0.0) - best.time.get(part, 0.0) for part in set(p.time) | set(best.time)}
+    worst = sorted((g, part) for part, g in gaps.items() if g > 0)[::-1][:2]
+    if not worst:
+        return "the same time"
+    total = p.step_seconds - best.step_seconds
+    return f"+{total:.3g} s: " + ", ".join(f"{part.replace('_', ' ')} +{g:.3g} s" for g, part in worst)
