@@ -209,8 +209,8 @@ def rank_parameters(run: Run, first: bool, last: bool) -> tuple[int, int]:
     blocks = -(-run.n_layer // run.pp) * parameter_copies(run.schedule) if run.pp > 1 else run.n_layer
     moe = moe_blocks(run, blocks)
     dense = (blocks - moe) * ((12 * h * h + 7 * h) // t + 6 * h)
-    dense += moe * (4 * h * h // t + 4 * h // t + 4 * h + 4 * h)  # attention split, norms whole
-    experts = moe * (run.experts // run.ep) * (8 * h * h + 5 * h) + moe * run.experts * h
+    dense += moe * ((4 * h * h + 3 * h) // t + 5 * h + run.experts * h)  # attention as above; the router whole
+    experts = moe * (run.experts // run.ep) * (8 * h * h + 5 * h)  # each rank's experts
     V = -(-run.vocab_size // t) * t
     if first:
         dense += V * h // t + run.seq_len * h
@@ -376,9 +376,9 @@ def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate:
     F, I, W = t_last.total("F"), t_last.total("I"), t_last.total("W")
     if run.pp > 1:
         pipe = (simulate_step if simulate else estimate_step)(run.schedule, run.pp, m, run.chunks, F, I, W, t_last.P)
-        makespan, busy, peaks, simulated = pipe.makespan, pipe.busy, pipe.peak_in_flight, pipe.simulated_micro_batches
+        makespan, peaks, simulated = pipe.makespan, pipe.peak_in_flight, pipe.simulated_micro_batches
     else:
-        makespan = busy = m * (F + I + W)
+        makespan = m * (F + I + W)
         peaks, simulated = (1,), ()
     n = m * visits(run.schedule, run.chunks) if run.pp > 1 else m  # actions of each kind per rank
 
@@ -389,7 +389,7 @@ def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate:
     for kind in ("F", "I", "W"):
         for part, seconds in getattr(t_last, kind).items():
             time[names[part]] += n * seconds
-    time["bubble"] = makespan - busy
+    time["bubble"] = max(0.0, makespan - n * (F + I + W))  # the simulator's idle (its costs: whole ns)
     time["dp_communication"] = _dp_exposed(run, cluster, eff, I + W)
     time["optimizer"] = _optimizer_seconds(run, cluster, eff)
     step = makespan + time["dp_communication"] + time["optimizer"]

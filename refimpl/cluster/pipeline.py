@@ -67,25 +67,29 @@ def _makespan(schedule: str, pp: int, m: int, chunks, costs: Costs) -> tuple[Fra
     return makespan, [peak_in_flight(sched, r, "W") for r in range(pp)]
 
 
+def extrapolated_makespan(schedule: str, pp: int, m: int, chunks: int | None,
+                          costs: Costs) -> tuple[Fraction, list[int], tuple[int, ...]]:
+    """(makespan, peaks per rank, the m of each simulation): simulated, or for m > m₂ extrapolated
+    from m₁ and m₂ (module docstring)."""
+    period = pp * _unit(schedule)
+    m1 = 2 * period + m % period
+    if m <= m1 + period:
+        makespan, peaks = _makespan(schedule, pp, m, chunks, costs)
+        return makespan, peaks, (m,)
+    t1, peaks = _makespan(schedule, pp, m1, chunks, costs)
+    t2, _ = _makespan(schedule, pp, m1 + period, chunks, costs)
+    if schedule == "gpipe":
+        peaks = [m] * pp
+    return t1 + Fraction(m - m1, period) * (t2 - t1), peaks, (m1, m1 + period)
+
+
 @lru_cache(maxsize=256)
 def simulate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, I: float, W: float,
                   P: float) -> PipelineTime:
     """One step of `schedule` on pp ranks with m micro-batches; F, I, W (one action) and P (one
     message's delay) in seconds. B = I + W and F&B = F + B, as the executor runs them."""
     costs = Costs(F=round(F / NS), I=round(I / NS), W=round(W / NS), P=round(P / NS))
-    u = _unit(schedule)
-    period = pp * u
-    m1 = 2 * period + m % period
-    if m <= m1 + period:
-        makespan, peaks = _makespan(schedule, pp, m, chunks, costs)
-        simulated = (m,)
-    else:
-        t1, peaks = _makespan(schedule, pp, m1, chunks, costs)
-        t2, _ = _makespan(schedule, pp, m1 + period, chunks, costs)
-        makespan = t1 + Fraction(m - m1, period) * (t2 - t1)
-        simulated = (m1, m1 + period)
-        if schedule == "gpipe":
-            peaks = [m] * pp
+    makespan, peaks, simulated = extrapolated_makespan(schedule, pp, m, chunks, costs)
     busy_per_rank = m * visits(schedule, chunks) * (costs.F + costs.I + costs.W)  # the same on every rank
     return PipelineTime(float(makespan) * NS, float(busy_per_rank) * NS, tuple(peaks), simulated)
 
