@@ -91,8 +91,8 @@ NOTES = {
     "4": "four ranks on two cores: each rank has half a core and one BLAS thread; calibrated with four "
          "ranks, the rates already say so, but the operating system's time slices make waits at every "
          "collective longer than the α–β model's (a rank that must answer is often not running).",
-    "1": "one process uses every core: its BLAS runs two threads, whose rate depends most on what else "
-         "runs on the machine (another process halves it).",
+    "1": "one process has one core of two; whatever else runs on the machine during the run and not "
+         "during its calibration (or the other way round) moves the rate directly.",
 }
 
 
@@ -103,8 +103,14 @@ def mpi_command(n: int, args: list[str]) -> list[str]:
     return ([mpiexec, "-n", str(n)] if n > 1 else []) + [sys.executable, "-m", "refimpl", *args]
 
 
+# One BLAS thread per process everywhere. Ranks > 1 get it from refimpl's budget anyway
+# (max(1, 2 cores // ranks)); one process would run two, and two spinning OpenBLAS threads on a
+# 2-core machine that any other process also uses were measured at 8 s/step instead of 0.25.
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def run_json(n: int, args: list[str], timeout: float = 600) -> dict:
-    env = {**without_launcher(), "PYTHONPATH": str(REPO)}
+    env = {**without_launcher(), "PYTHONPATH": str(REPO), **ONE_THREAD}
     done = subprocess.run(mpi_command(n, args), capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or not lines:
@@ -172,6 +178,9 @@ def page(rows, clusters, command, started, loads) -> str:
         f"- model: GPT, {MODEL['n_layer']} blocks, width {MODEL['d_model']}, {MODEL['n_head']} heads, "
         f"sequence {MODEL['seq_len']} (the sorting task, vocabulary {model_run(CONFIGS[0]).vocab_size}), "
         f"global batch {BATCH}, AdamW, float32 unless stated",
+        "- every process runs one BLAS thread (OPENBLAS_NUM_THREADS=1, for calibration and runs alike): what "
+        "refimpl gives each of 2 or more ranks on 2 cores; one process with two threads on a machine that "
+        "other processes share spent 8 s per step spinning instead of 0.25",
         "",
         "Measured: `mpiexec -n N python -m refimpl train ... --json`, the step loop's seconds over its steps. "
         "Predicted: `refimpl.cluster.model.predict` with the cluster that `python -m refimpl calibrate` "
@@ -210,10 +219,18 @@ def page(rows, clusters, command, started, loads) -> str:
                      f"{1e3 * pred.step_seconds:.0f} ms ({breakdown(pred)}).")
         for key in note_keys(cfg):
             lines.append(f"  {NOTES[key]}")
-    lines += ["", "What the model leaves out for refimpl's NumPy engine, everywhere: the embedding, the "
-              "loss's and the optimizer's Python work per parameter (the optimizer is counted by its bytes only), "
-              "the trainer's bookkeeping (hooks, buckets, the ledger) and the operating system's scheduling "
-              "when ranks outnumber cores.", ""]
+    lines += ["", "Why the predictions are low everywhere (measured in one process, one thread, on 2026-12-03, "
+              "while another engineer's jobs kept the load average near 3):", "",
+              "- one Block of this GPT, forward and backward on 16 × 64 tokens, took 0.102 s; the model "
+              "predicts F + I + W = 0.086 s (−16%): its memory-bound terms count one pass per element, but "
+              "NumPy's layer norm, causal softmax and GeLU make several passes with temporaries;",
+              "- the whole forward and backward (4 blocks, embedding, head, loss) took 0.44 s, the training "
+              "step 0.48–0.61 s: the optimizer's Python work per parameter (AdamW on each of ~50 arrays), the "
+              "trainer's hooks, buckets and ledger are not in the model, which counts the optimizer by its "
+              "bytes only (1 ms);",
+              "- the calibration's windows are short (0.15 s per rate), the runs long: a process that shares "
+              "the cores with others during a run but not during its calibration is slower than calibrated "
+              "(the load average above).", ""]
     return "\n".join(lines)
 
 
