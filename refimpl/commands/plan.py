@@ -74,7 +74,7 @@ def run(args) -> int:
     print(f"model: {shape}, {best.parameters / 1e9:.1f}B parameters (L={base.n_layer} h={base.d_model} "
           f"a={base.n_head} s={base.seq_len} V={base.vocab_size}), batch {base.batch_size}, {base.dtype}; "
           f"{args.gpus} GPUs of {cluster.name}")
-    print(f"searched {result.searched} configurations in {seconds:.1f} s: {result.fitting} fit in "
+    print(f"searched {result.searched} configurations: {result.fitting} fit in "
           f"{format_bytes(cluster.memory_bytes)}; the best {len(result.best)} by simulated step time:")
     print()
     header = f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ZeRO':>4} {'recompute':<9} {'schedule':<11} {'mbs':>3} {'SP':>3} " \
