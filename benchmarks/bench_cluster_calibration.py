@@ -143,6 +143,12 @@ def model_run(cfg: Config) -> Run:
                chunks=cfg.get("chunks"))
 
 
+def key(cfg: Config) -> tuple[int, int]:
+    """What a configuration is calibrated at: its ranks, and the tokens of its micro-batch (the
+    GEMMs' and the Block's size: the machine's rates depend on it, through its caches)."""
+    return cfg.ranks, model_run(cfg).micro_batch_size * MODEL["seq_len"]
+
+
 def breakdown(prediction) -> str:
     parts = {k: v for k, v in prediction.time.items() if v > 5e-4}
     return ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
@@ -189,12 +195,14 @@ def page(rows, clusters, command, started, loads) -> str:
         "",
         "## Calibration",
         "",
-        "| ranks | GEMM fp32 | GEMM fp64 | attention / GEMM | memory | op overhead | link α | link β |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ranks, tokens | GEMM fp32 | GEMM fp64 | attention / GEMM | memory | memory-bound efficiency "
+        "| op overhead | link α | link β |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for n, c in sorted(clusters.items()):
-        lines.append(f"| {n} | {c.peak_flops_fp32 / 1e9:.1f} GFLOP/s | {c.flops('float64') / 1e9:.1f} GFLOP/s | "
+    for (n, tokens), c in sorted(clusters.items()):
+        lines.append(f"| {n}, {tokens} | {c.peak_flops_fp32 / 1e9:.1f} GFLOP/s | {c.flops('float64') / 1e9:.1f} GFLOP/s | "
                      f"{c.efficiency.get('attention', 1.0):.2f} | {c.memory_bandwidth / 1e9:.1f} GB/s | "
+                     f"{c.efficiency.get('memory', 1.0):.3f} | "
                      f"{c.op_overhead * 1e6:.1f} µs | {c.intra_latency * 1e6:.1f} µs | "
                      f"{c.intra_bandwidth / 1e9:.2f} GB/s |")
     lines += ["", "(One rank: the links cannot be measured and are a copy's estimate; no one-rank run uses them.)",
@@ -217,20 +225,20 @@ def page(rows, clusters, command, started, loads) -> str:
         error = pred.step_seconds / measured - 1
         lines.append(f"- **{cfg.name}** ({100 * error:+.1f}%): measured {1e3 * measured:.0f} ms, predicted "
                      f"{1e3 * pred.step_seconds:.0f} ms ({breakdown(pred)}).")
-        for key in note_keys(cfg):
-            lines.append(f"  {NOTES[key]}")
-    lines += ["", "Why the predictions are low everywhere (measured in one process, one thread, on 2026-12-03, "
-              "while another engineer's jobs kept the load average near 3):", "",
-              "- one Block of this GPT, forward and backward on 16 × 64 tokens, took 0.102 s; the model "
-              "predicts F + I + W = 0.086 s (−16%): its memory-bound terms count one pass per element, but "
-              "NumPy's layer norm, causal softmax and GeLU make several passes with temporaries;",
-              "- the whole forward and backward (4 blocks, embedding, head, loss) took 0.44 s, the training "
-              "step 0.48–0.61 s: the optimizer's Python work per parameter (AdamW on each of ~50 arrays), the "
-              "trainer's hooks, buckets and ledger are not in the model, which counts the optimizer by its "
-              "bytes only (1 ms);",
-              "- the calibration's windows are short (0.15 s per rate), the runs long: a process that shares "
-              "the cores with others during a run but not during its calibration is slower than calibrated "
-              "(the load average above).", ""]
+        for note in note_keys(cfg):
+            lines.append(f"  {NOTES[note]}")
+    lines += ["", "What the model leaves out on this machine (measured by hand in one process, one thread, "
+              "on 2026-12-03, for the one-process configuration):", "",
+              "- the memory-bound kernels' efficiency is calibrated on one real Block (calibrate.py: "
+              "`memory_efficiency`), so the blocks' time is the measured one by construction; what remains is "
+              "outside the blocks: the training step took 0.45 s where the model's forward and backward "
+              "(blocks, embedding, head, loss) and optimizer come to 0.36 s; the trainer's gradient clipping, "
+              "zeroing and the loss's bookkeeping are not in the model;",
+              "- the optimizer is priced by its bytes at the memory-bound kernels' efficiency, which the Block's "
+              "transcendentals (tanh, exp) set low: the model says 32 ms, AdamW took 10 ms;",
+              "- float64 runs use the efficiency calibrated in float32;",
+              "- noise: the same forward pass took 0.133 s and 0.195 s in consecutive calls; a rate measured in a "
+              "0.15 s window and a run of seconds see different neighbours on a shared 2-core machine.", ""]
     return "\n".join(lines)
 
 
@@ -244,17 +252,16 @@ def main(argv=None) -> int:
     configs = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS
     started = time.strftime("%Y-%m-%d %H:%M")
     loads = [os.getloadavg()[0]]
-    tokens = BATCH * MODEL["seq_len"] // 4  # the micro-batch of a typical configuration (4 sequences)
-    clusters = {}
+    clusters = {}  # (ranks, tokens per micro-batch) -> the cluster calibrated so
     with tempfile.TemporaryDirectory() as folder:
-        for n in sorted({c.ranks for c in configs}):
-            clusters[n] = hardware.load(args.cluster) if args.cluster else calibrated(n, folder, tokens)
-            print(f"calibrated {n} rank(s): {clusters[n].source}", file=sys.stderr)
+        for n, tokens in sorted({key(c) for c in configs}):
+            clusters[n, tokens] = hardware.load(args.cluster) if args.cluster else calibrated(n, folder, tokens)
+            print(f"calibrated {n} rank(s), {tokens} tokens: {clusters[n, tokens].source}", file=sys.stderr)
     rows = []
     for cfg in configs:
         summary = run_json(cfg.ranks, ["train", *train_flags(cfg, args.steps)])
         measured = summary["seconds"] / (summary["steps"] - summary["start_step"])
-        pred = predict(model_run(cfg), clusters[cfg.ranks])
+        pred = predict(model_run(cfg), clusters[key(cfg)])
         rows.append((cfg, measured, pred))
         print(f"{cfg.name:<34} {cfg.ranks}  measured {measured:.3f} s  predicted {pred.step_seconds:.3f} s  "
               f"({100 * (pred.step_seconds / measured - 1):+.1f}%)", file=sys.stderr)

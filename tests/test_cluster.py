@@ -281,6 +281,13 @@ def test_cluster_files_load_and_bad_ones_say_what_is_wrong(tmp_path):
         Cluster(**{**PRESETS["a100-80gb"].as_dict(), "inter_bandwidth": -1.0})
 
 
+def test_the_operations_per_block_are_the_engines():
+    from refimpl.cluster import model
+    from refimpl.cluster.calibrate import block_operations
+    assert model.OPERATIONS_PER_BLOCK == block_operations()
+    assert model.OPERATIONS_PER_DROPOUT_BLOCK == block_operations(dropout=0.1)
+
+
 def test_mixed_precision_halves_float32s_activation_bytes():
     run = small(pp=1, dp=1)
     a = memory_breakdown(run, A100, 1, True, False)["activations"]

@@ -18,6 +18,11 @@ returns a `hardware.Cluster` whose efficiencies are 1.0 (a measured rate is alre
                        does (two arrays read, one written: 3·n·itemsize bytes), on arrays of one
                        block's largest activation (N·4h elements) -- the size refimpl's memory-bound
                        kernels work on, which at these widths sits in the caches, not DRAM
+    memory efficiency  the share of that bandwidth NumPy's real memory-bound kernels reach (layer norm,
+                       softmax and tanh-GeLU make several passes and compute transcendentals): one
+                       refimpl Block of width h on N tokens, forward and backward, is timed, and the
+                       efficiency is what makes the model's time of that Block the measured one
+                       (`memory_efficiency`); calibrate at the micro-batch you will predict (--tokens)
     op_overhead        what every autograd operation costs however small (Python, the engine's
                        bookkeeping, NumPy's call overhead): a GPT Block of width 8 on 4 tokens, its
                        forward and backward timed together, divided by 3·ops (ops: the autograd
@@ -196,6 +201,49 @@ def block_operations(width: int = 8, heads: int = 2, seq: int = 4, dropout: floa
     return count_operations(block(x))
 
 
+def block_seconds(width: int, tokens: int, seq: int = DEFAULT_SEQ, dtype: str = "float32", repeats: int = 5,
+                  min_seconds: float = MIN_SECONDS) -> float:
+    """Seconds of one refimpl GPT Block's forward and backward on `tokens` tokens (sequences of `seq`)."""
+    from refimpl.autograd.tensor import Tensor  # noqa: PLC0415
+    from refimpl.nn.layers import Block  # noqa: PLC0415
+
+    heads = max(1, width // 64)
+    block = Block(width, heads, seq, np.random.default_rng(0), dtype=dtype)
+    x = Tensor(np.random.default_rng(1).standard_normal((max(1, tokens // seq), seq, width)).astype(dtype),
+               requires_grad=True)
+
+    def step():
+        block(x).sum().backward()
+
+    return mean_seconds(step, repeats, 1, min_seconds)
+
+
+def memory_efficiency(cluster: Cluster, measured: float, width: int, tokens: int, seq: int = DEFAULT_SEQ,
+                      dtype: str = "float32") -> float:
+    """The efficiency of memory-bound kernels that makes the model's Block time the measured one.
+
+    The model times one block as A + B/e: GEMMs, attention core and per-operation overhead (A),
+    and the memory-bound kernels' bytes at e times the bandwidth (B/e). NumPy's layer norm,
+    softmax and tanh-GeLU make several passes and compute transcendentals, which numpy.add's
+    bandwidth does not see; the real Block does. Two evaluations give A and B (T(1) = A + B,
+    T(1/2) = A + 2B); e = B / (measured − A), kept within [0.02, 4]."""
+    from .model import Efficiency, Run, action_times  # noqa: PLC0415
+
+    run = Run(n_layer=1, d_model=width, n_head=max(1, width // 64), seq_len=seq, vocab_size=2,
+              batch_size=max(1, tokens // seq), micro_batch_size=max(1, tokens // seq), dtype=dtype)
+    base = {**cluster.efficiency}
+
+    def block(e: float) -> float:
+        times = action_times(run, cluster, Efficiency(**{**base, "memory": e}), last=False)
+        return times.total("F") + times.total("I") + times.total("W")
+
+    b = block(0.5) - block(1.0)
+    a = block(1.0) - b
+    if measured <= a or b <= 0:
+        return 4.0
+    return min(4.0, max(0.02, b / (measured - a)))
+
+
 def operation_overhead(repeats: int = 60, min_seconds: float = MIN_SECONDS) -> float:
     """Seconds per autograd operation and per action (F, I, W): a width-8 Block's forward and
     backward, divided by 3 × its operations."""
@@ -340,12 +388,23 @@ def calibrate(world=None, quick: bool = False, width: int = DEFAULT_WIDTH, token
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     ratio = rates["attention_float32"] / rates["gemm_float32"]
     how = "all-reduce fit" if world.size > 1 else "links estimated (one process: a copy through the mailbox)"
+    # The memory-bound kernels' efficiency, from one real Block (every rank at once, like the rates).
+    provisional = Cluster(
+        name=name, peak_flops=rates["gemm_float32"], peak_flops_fp32=rates["gemm_float32"],
+        memory_bandwidth=rates["memory_bandwidth"], memory_bytes=1, gpus_per_node=1, intra_bandwidth=1.0,
+        intra_latency=0.0, inter_bandwidth=1.0, inter_latency=0.0, op_overhead=rates["op_overhead"],
+        peak_flops_fp64=rates["gemm_float64"], efficiency={"gemm": 1.0, "memory": 1.0, "network": 1.0,
+                                                           "attention": rates["attention_float32"] / rates["gemm_float32"]})
+    world.barrier()
+    rates["block_seconds"] = _mean_over_ranks(world, {"t": block_seconds(width, tokens, repeats=reps,
+                                                                          min_seconds=window)})["t"]
+    rates["memory_efficiency"] = memory_efficiency(provisional, rates["block_seconds"], width, tokens)
     cluster = Cluster(
         name=name, peak_flops=rates["gemm_float32"], peak_flops_fp32=rates["gemm_float32"],
         memory_bandwidth=rates["memory_bandwidth"], memory_bytes=int(memory // max(1, local_ranks)) or 1,
         gpus_per_node=local_ranks, intra_bandwidth=beta, intra_latency=alpha, inter_bandwidth=beta,
         inter_latency=alpha, op_overhead=rates["op_overhead"], peak_flops_fp64=rates["gemm_float64"],
-        efficiency={"gemm": 1.0, "memory": 1.0, "network": 1.0, "attention": ratio},
+        efficiency={"gemm": 1.0, "memory": rates["memory_efficiency"], "network": 1.0, "attention": ratio},
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({cpu_name()}, "
                 f"{os.cpu_count()} CPUs) with {world.size} rank(s), "
                 f"{budget.threads if budget and budget.threads else 'default'} BLAS thread(s) each, "

@@ -67,9 +67,12 @@ from .pipeline import estimate_step, parameter_copies, simulate_step, visits
 CHECKPOINTS = ("none", "selective", "full")
 DTYPES = ("mixed", "float32", "float64")
 BUCKET_BYTES = 25 * 10**6  # PyTorch DDP's default bucket (bucket_cap_mb=25)
-# Kernels of one block's forward, as refimpl's engine runs it (one autograd operation each;
-# tests/test_cluster.py counts them); its backward runs as many again, twice for the weight halves.
-OPERATIONS_PER_BLOCK = 22
+# Kernels of one block's forward, as refimpl's engine runs it: one autograd operation each (2 layer
+# norms, 4 linears, the qkv split, 4 reshapes, 4 transposes, 2 batched products, the causal
+# softmax, 2 residual adds, GeLU; 3 dropouts more with dropout), counted in the engine's graph by
+# calibrate.block_operations (tests/test_cluster.py); the model charges them once in F, I and W.
+OPERATIONS_PER_BLOCK = 21
+OPERATIONS_PER_DROPOUT_BLOCK = 24
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,7 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
     whole = (4 + 6) * h + (9 * h if run.dropout else 0)  # layer norms, residual adds, dropouts
     split = 8 * h + 2 * a * s + (3 * a * s if run.dropout else 0)  # GeLU; softmax (and its dropout) per head
     traffic = blocks * N * e * ((whole / t if sp else whole) + split / t)
-    overhead = blocks * OPERATIONS_PER_BLOCK * cluster.op_overhead
+    overhead = blocks * (OPERATIONS_PER_DROPOUT_BLOCK if run.dropout else OPERATIONS_PER_BLOCK) * cluster.op_overhead
     times = ActionTimes()
     _add(times.F, "compute", gemm / gemm_rate + core / core_rate + traffic / bandwidth + overhead)
     _add(times.I, "compute", gemm / gemm_rate + 2 * core / core_rate + 2 * traffic / bandwidth + overhead)

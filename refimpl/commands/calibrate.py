@@ -67,6 +67,9 @@ def table(cal) -> str:
          f"batched q kᵀ and p v; efficiency {c.efficiency['attention']:.2f} of GEMM"),
         ("memory bandwidth", _si(c.memory_bandwidth, "B/s"), "numpy.add, 3 n·itemsize bytes"),
         ("op overhead", _us(c.op_overhead), f"tiny Block F+B / (3 × {cal.block_operations} ops)"),
+        ("memory-bound kernels", f"efficiency {c.efficiency['memory']:.3f}",
+         f"a Block F+B took {cal.rates['block_seconds'] * 1e3:.1f} ms: the share of numpy.add's bandwidth that makes "
+         f"the model say so"),
     ]
     p = cal.p2p
     rows.append(("point-to-point α, β", f"{_us(p['alpha'])}, {_si(p['beta'], 'B/s')}",
