@@ -23,6 +23,8 @@ returns a `hardware.Cluster` whose efficiencies are 1.0 (a measured rate is alre
                        refimpl Block of width h on N tokens, forward and backward, is timed, and the
                        efficiency is what makes the model's time of that Block the measured one
                        (`memory_efficiency`); calibrate at the micro-batch you will predict (--tokens)
+    optimizer          the same share for refimpl's AdamW update of one float32 parameter of 2²⁰
+                       elements, priced at 28 bytes per element (`optimizer_efficiency`)
     op_overhead        what every autograd operation costs however small (Python, the engine's
                        bookkeeping, NumPy's call overhead): a GPT Block of width 8 on 4 tokens, its
                        forward and backward timed together, divided by 3·ops (ops: the autograd
@@ -244,6 +246,21 @@ def memory_efficiency(cluster: Cluster, measured: float, width: int, tokens: int
     return min(4.0, max(0.02, b / (measured - a)))
 
 
+def optimizer_efficiency(bandwidth: float, elements: int = 1 << 20, repeats: int = 5,
+                         min_seconds: float = MIN_SECONDS) -> float:
+    """refimpl's AdamW update on one float32 parameter of `elements`, as a share of `bandwidth`:
+    the cost model prices an update at G + 2K + 2P bytes per parameter (model._optimizer_seconds;
+    float32: 4 + 16 + 8 = 28)."""
+    from refimpl.optim.adamw import AdamW  # noqa: PLC0415
+
+    param = np.ones(elements, dtype=np.float32)
+    grad = np.full(elements, 1e-3, dtype=np.float32)
+    adam = AdamW(lr=1e-3)
+    state = adam.init_state(param)
+    seconds = mean_seconds(lambda: adam.update(param, grad, state), repeats, 1, min_seconds)
+    return min(4.0, 28 * elements / seconds / bandwidth)
+
+
 def operation_overhead(repeats: int = 60, min_seconds: float = MIN_SECONDS) -> float:
     """Seconds per autograd operation and per action (F, I, W): a width-8 Block's forward and
     backward, divided by 3 × its operations."""
@@ -399,12 +416,15 @@ def calibrate(world=None, quick: bool = False, width: int = DEFAULT_WIDTH, token
     rates["block_seconds"] = _mean_over_ranks(world, {"t": block_seconds(width, tokens, repeats=reps,
                                                                           min_seconds=window)})["t"]
     rates["memory_efficiency"] = memory_efficiency(provisional, rates["block_seconds"], width, tokens)
+    rates["optimizer_efficiency"] = _mean_over_ranks(world, {"e": optimizer_efficiency(
+        rates["memory_bandwidth"], repeats=reps, min_seconds=window)})["e"]
     cluster = Cluster(
         name=name, peak_flops=rates["gemm_float32"], peak_flops_fp32=rates["gemm_float32"],
         memory_bandwidth=rates["memory_bandwidth"], memory_bytes=int(memory // max(1, local_ranks)) or 1,
         gpus_per_node=local_ranks, intra_bandwidth=beta, intra_latency=alpha, inter_bandwidth=beta,
         inter_latency=alpha, op_overhead=rates["op_overhead"], peak_flops_fp64=rates["gemm_float64"],
-        efficiency={"gemm": 1.0, "memory": rates["memory_efficiency"], "network": 1.0, "attention": ratio},
+        efficiency={"gemm": 1.0, "memory": rates["memory_efficiency"], "network": 1.0, "attention": ratio,
+                    "optimizer": rates["optimizer_efficiency"]},
         source=(f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({cpu_name()}, "
                 f"{os.cpu_count()} CPUs) with {world.size} rank(s), "
                 f"{budget.threads if budget and budget.threads else 'default'} BLAS thread(s) each, "

@@ -84,6 +84,7 @@ class Efficiency:
     attention: float = 0.6  # the attention core's batched products (FLOP/s): smaller, less efficient
     memory: float = 0.7  # memory-bound kernels (memory bandwidth)
     network: float = 0.8  # collectives and messages (link bandwidth): NCCL's bus bandwidth vs the link
+    optimizer: float | None = None  # the optimizer's element-wise update (memory bandwidth); None: as memory
 
 
 EFFICIENCY = Efficiency()
@@ -433,7 +434,8 @@ def _optimizer_seconds(run: Run, cluster: Cluster, eff: Efficiency) -> float:
     p_bytes, g_bytes, k_bytes = PRECISIONS[run.dtype]
     shard = dense / run.dp if run.zero else dense
     shard += experts / (run.dp // run.ep) if run.zero else experts
-    return shard * (g_bytes + 2 * k_bytes + 2 * p_bytes) / (cluster.memory_bandwidth * eff.memory)
+    share = eff.memory if eff.optimizer is None else eff.optimizer
+    return shard * (g_bytes + 2 * k_bytes + 2 * p_bytes) / (cluster.memory_bandwidth * share)
 
 
 def memory_breakdown(run: Run, cluster: Cluster, in_flight: int, first: bool, last: bool) -> dict:
