@@ -126,6 +126,8 @@ def report(p: Prediction, cluster: hardware.Cluster) -> str:
             lines.append(f"  {part:<18} {value:10.4g} s  {100 * value / p.step_seconds:5.1f}%")
     lines.append(f"  {'step':<18} {p.step_seconds:10.4g} s")
     lines.append("")
-    lines.append(f"tokens/s {p.tokens_per_second:.4g}; model FLOP/s per GPU {p.model_flops_per_gpu_per_second / 1e12:.1f} T; "
+    rate = p.model_flops_per_gpu_per_second
+    scale, prefix = (1e12, "T") if rate >= 1e12 else (1e9, "G")
+    lines.append(f"tokens/s {p.tokens_per_second:.4g}; model FLOP/s per GPU {rate / scale:.1f} {prefix}; "
                  f"MFU {100 * p.mfu:.1f}% (PaLM's: no recomputation counted)")
     return "\n".join(lines)
