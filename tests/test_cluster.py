@@ -45,17 +45,20 @@ def small(**kw) -> Run:
 
 @given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]),
        pp=st.sampled_from([2, 4, 6]), periods=st.integers(4, 7), extra=st.integers(0, 5),
-       F=st.integers(20, 200), I=st.integers(20, 300), W=st.integers(10, 200), P=st.integers(0, 100))
-def test_the_extrapolated_makespan_equals_the_full_simulation(schedule, pp, periods, extra, F, I, W, P):
+       F=st.integers(20, 200), I=st.integers(20, 300), W=st.integers(10, 200), P=st.integers(0, 100),
+       A=st.sampled_from([0, 0, 15, 60]), k=st.integers(1, 3))
+def test_the_extrapolated_makespan_equals_the_full_simulation(schedule, pp, periods, extra, F, I, W, P, A, k):
     unit = 2 if schedule == "dualpipe" else 1
     m = periods * pp * unit + (extra * unit % (pp * unit) if schedule not in ("interleaved",) else 0)
-    costs = Costs(F=F, I=I, W=W, P=P)
+    costs = Costs(F=F, I=I, W=W, P=P, A=A)
     chunks = 2 if schedule == "interleaved" else None
-    makespan, peaks, simulated = extrapolated_makespan(schedule, pp, m, chunks, costs)
+    exchanges = k if A else 0  # experts' all-to-alls: the simulator's chunk model
+    makespan, peaks, simulated, exposed = extrapolated_makespan(schedule, pp, m, chunks, costs, exchanges)
     assert len(simulated) == 2 and max(simulated) < m  # it did extrapolate
-    full, full_peaks = _makespan(schedule, pp, m, chunks, costs)
+    full, full_peaks, full_exposed = _makespan(schedule, pp, m, chunks, costs, exchanges)
     assert makespan == full
     assert peaks == full_peaks
+    assert exposed == full_exposed
 
 
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", None), ("1f1b", None), ("interleaved", 2)])
@@ -173,6 +176,19 @@ def test_mfu_is_palms_model_flops_over_the_peak():
     assert sum(p.memory.values()) == p.memory_per_gpu_bytes
     # recomputation costs time but is not model FLOPs: MFU falls
     assert predict(replace(run, checkpoint="full"), A100).mfu < p.mfu
+
+
+def test_dualpipe_hides_the_experts_all_to_alls_and_1f1b_does_not():
+    moe = dict(n_layer=8, d_model=256, n_head=8, seq_len=128, vocab_size=1000, batch_size=64, dp=4, pp=2,
+               experts=8, top_k=2, ep=4, micro_batch_size=2, dtype="mixed")
+    slow_links = replace(A100, inter_bandwidth=2e8, intra_bandwidth=2e8)  # all-to-alls as long as compute
+    one_f = predict(Run(**moe, schedule="1f1b"), slow_links)
+    dual = predict(Run(**moe, schedule="dualpipe"), slow_links)
+    times = action_times(Run(**moe, schedule="1f1b"), slow_links)
+    n = one_f.micro_batches
+    # 1F1B waits for every all-to-all of its F and B steps: 2 per MoE block each way
+    assert one_f.time["ep_communication"] == pytest.approx(n * 2 * times.exchanges * times.A, rel=1e-6)
+    assert 0 < dual.time["ep_communication"] < 0.75 * one_f.time["ep_communication"]
 
 
 def test_the_step_is_its_parts():

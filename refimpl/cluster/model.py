@@ -41,6 +41,11 @@ Time of one action (one stage of L/(pp·v) blocks, one micro-batch of N = b·s t
     P   one pipeline message: b·s·h·e bytes (/tp with sequence parallelism), across nodes when
         dp·tp fills a node
 
+Experts (ep > 1) add a dispatch and a combine all-to-all per MoE block to F and to I (α–β over
+the ep group). Without a pipeline they are waited for in full; in a pipeline the simulator's chunk
+model places them (parallel/pipeline/simulate.py): every step waits for its own, except an F&B
+step, whose halves interleave at the all-to-alls as refimpl's executor does (DualPipe's overlap).
+
 A step is the schedule's makespan from the simulator (cluster/pipeline.py; m·(F + B) without a
 pipeline), plus the data-parallel reduction that the last backward does not hide (refimpl's
 bucketed DDP and ZeRO-1/2 reduce during each stage's last backward: exposed max(T − B, one
@@ -236,6 +241,8 @@ class ActionTimes:
     I: dict = field(default_factory=dict)
     W: dict = field(default_factory=dict)
     P: float = 0.0
+    A: float = 0.0  # one all-to-all of the experts (pipelines: the simulator places them)
+    exchanges: int = 0  # all-to-alls in one stage's forward (as many in its backward)
 
     def total(self, kind: str) -> float:
         return sum(getattr(self, kind).values())
@@ -310,12 +317,16 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
         backward = times.total("I") + times.total("W")
         _add(times.I, "zero3", first_block + max(0.0, gather + scatter - first_block - backward))
 
-    # Experts' all-to-alls (dispatch and combine, forward and backward): one after the other.
+    # Experts' all-to-alls: a dispatch and a combine per MoE block, forward and backward. Without a
+    # pipeline they are waited for in full; in one, the simulator's chunk model places them
+    # (an F&B step hides them behind the other half's compute: DualPipe's overlap).
     if moe and run.ep > 1:
         ep_group = Group.of(run.ep, t, cluster)
-        a2a = links.all_to_all(run.top_k * N * h * e, ep_group)
-        _add(times.F, "ep", 2 * moe * a2a)
-        _add(times.I, "ep", 2 * moe * a2a)
+        times.A = links.all_to_all(run.top_k * N * h * e, ep_group)
+        times.exchanges = 2 * moe
+        if run.pp == 1:
+            _add(times.F, "ep", times.exchanges * times.A)
+            _add(times.I, "ep", times.exchanges * times.A)
 
     # A pipeline message: the activation (or its gradient) of one micro-batch.
     if run.pp > 1:
@@ -379,11 +390,13 @@ def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate:
     t_last = action_times(run, cluster, eff, last=True)  # every stage timed as the last (the head's)
     F, I, W = t_last.total("F"), t_last.total("I"), t_last.total("W")
     if run.pp > 1:
-        pipe = (simulate_step if simulate else estimate_step)(run.schedule, run.pp, m, run.chunks, F, I, W, t_last.P)
+        pipe = (simulate_step if simulate else estimate_step)(run.schedule, run.pp, m, run.chunks, F, I, W, t_last.P,
+                                                              t_last.A, t_last.exchanges)
         makespan, peaks, simulated = pipe.makespan, pipe.peak_in_flight, pipe.simulated_micro_batches
+        exposed_a2a = pipe.exposed_all_to_all
     else:
         makespan = m * (F + I + W)
-        peaks, simulated = (1,), ()
+        peaks, simulated, exposed_a2a = (1,), (), 0.0
     n = m * visits(run.schedule, run.chunks) if run.pp > 1 else m  # actions of each kind per rank
 
     time = {"compute": 0.0, "recompute": 0.0, "tp_communication": 0.0, "zero3_communication": 0.0,
@@ -393,7 +406,8 @@ def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate:
     for kind in ("F", "I", "W"):
         for part, seconds in getattr(t_last, kind).items():
             time[names[part]] += n * seconds
-    time["bubble"] = max(0.0, makespan - n * (F + I + W))  # the simulator's idle (its costs: whole ns)
+    time["ep_communication"] += exposed_a2a  # a pipeline's all-to-all waits, from the simulator
+    time["bubble"] = max(0.0, makespan - n * (F + I + W) - exposed_a2a)  # idle (the simulator counts whole ns)
     time["dp_communication"] = _dp_exposed(run, cluster, eff, I + W)
     time["optimizer"] = _optimizer_seconds(run, cluster, eff)
     step = makespan + time["dp_communication"] + time["optimizer"]

@@ -31,7 +31,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 from refimpl.parallel.pipeline import Costs, build, closed_form
-from refimpl.parallel.pipeline.simulate import peak_in_flight, step_times
+from refimpl.parallel.pipeline.simulate import peak_in_flight, run_step, step_times
 
 NS = 1e-9
 
@@ -42,6 +42,7 @@ class PipelineTime:
     busy: float  # seconds of actions on that rank
     peak_in_flight: tuple[int, ...]  # per rank: (stage, micro-batch) activations held at once (freed at W)
     simulated_micro_batches: tuple[int, ...]  # the m of each simulation (one: not extrapolated)
+    exposed_all_to_all: float = 0.0  # seconds the busiest rank waits for experts' all-to-alls
 
 
 def visits(schedule: str, chunks: int | None) -> int:
@@ -60,38 +61,58 @@ def _unit(schedule: str) -> int:
     return 2 if schedule == "dualpipe" else 1
 
 
-def _makespan(schedule: str, pp: int, m: int, chunks, costs: Costs) -> tuple[Fraction, list[int]]:
+def _makespan(schedule: str, pp: int, m: int, chunks, costs: Costs,
+              exchanges: int = 0) -> tuple[Fraction, list[int], Fraction]:
+    """(makespan, peaks per rank, the most any rank waits for all-to-alls); `exchanges`: the
+    all-to-alls of one stage's forward (experts; the simulator's chunk model, F&B overlapped)."""
     sched = build(schedule, pp, m, chunks)
-    intervals = step_times(sched, costs)
+    per_stage = {s: exchanges for s in range(sched.num_stages)} if exchanges else None
+    intervals = step_times(sched, costs, exchanges=per_stage)
     makespan = max(iv[-1][1] for iv in intervals if iv)
-    return makespan, [peak_in_flight(sched, r, "W") for r in range(pp)]
+    exposed = Fraction(0)
+    if per_stage:
+        waits: dict = {}  # a step's kinds -> its exposed wait (every stage has the same exchanges)
+        for steps in sched.ranks:
+            total = Fraction(0)
+            for step in steps:
+                key = (step.kind, tuple(a.kind for a in step.parts))
+                if key not in waits:
+                    waits[key] = run_step(step, costs, per_stage).exposed
+                total += waits[key]
+            exposed = max(exposed, total)
+    return makespan, [peak_in_flight(sched, r, "W") for r in range(pp)], exposed
 
 
-def extrapolated_makespan(schedule: str, pp: int, m: int, chunks: int | None,
-                          costs: Costs) -> tuple[Fraction, list[int], tuple[int, ...]]:
-    """(makespan, peaks per rank, the m of each simulation): simulated, or for m > m₂ extrapolated
-    from m₁ and m₂ (module docstring)."""
+def extrapolated_makespan(schedule: str, pp: int, m: int, chunks: int | None, costs: Costs,
+                          exchanges: int = 0) -> tuple[Fraction, list[int], tuple[int, ...], Fraction]:
+    """(makespan, peaks per rank, the m of each simulation, exposed all-to-all time): simulated,
+    or for m > m₂ extrapolated from m₁ and m₂ (module docstring)."""
     period = pp * _unit(schedule)
     m1 = 2 * period + m % period
     if m <= m1 + period:
-        makespan, peaks = _makespan(schedule, pp, m, chunks, costs)
-        return makespan, peaks, (m,)
-    t1, peaks = _makespan(schedule, pp, m1, chunks, costs)
-    t2, _ = _makespan(schedule, pp, m1 + period, chunks, costs)
+        makespan, peaks, exposed = _makespan(schedule, pp, m, chunks, costs, exchanges)
+        return makespan, peaks, (m,), exposed
+    t1, peaks, e1 = _makespan(schedule, pp, m1, chunks, costs, exchanges)
+    t2, _, e2 = _makespan(schedule, pp, m1 + period, chunks, costs, exchanges)
     if schedule == "gpipe":
         peaks = [m] * pp
-    return t1 + Fraction(m - m1, period) * (t2 - t1), peaks, (m1, m1 + period)
+    scale = Fraction(m - m1, period)
+    return t1 + scale * (t2 - t1), peaks, (m1, m1 + period), e1 + scale * (e2 - e1)
 
 
 @lru_cache(maxsize=256)
 def simulate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, I: float, W: float,
-                  P: float) -> PipelineTime:
-    """One step of `schedule` on pp ranks with m micro-batches; F, I, W (one action) and P (one
-    message's delay) in seconds. B = I + W and F&B = F + B, as the executor runs them."""
-    costs = Costs(F=round(F / NS), I=round(I / NS), W=round(W / NS), P=round(P / NS))
-    makespan, peaks, simulated = extrapolated_makespan(schedule, pp, m, chunks, costs)
+                  P: float, A: float = 0.0, exchanges: int = 0) -> PipelineTime:
+    """One step of `schedule` on pp ranks with m micro-batches; F, I, W (one action), P (one
+    message's delay) and A (one all-to-all, `exchanges` of them per stage's forward and as many
+    per backward) in seconds. B = I + W and F&B = F + B, as the executor runs them; an F&B step
+    interleaves its halves at the all-to-alls (DualPipe's overlap), every other step waits for them."""
+    costs = Costs(F=round(F / NS), I=round(I / NS), W=round(W / NS), P=round(P / NS), A=round(A / NS))
+    makespan, peaks, simulated, exposed = extrapolated_makespan(schedule, pp, m, chunks, costs,
+                                                                exchanges if A else 0)
     busy_per_rank = m * visits(schedule, chunks) * (costs.F + costs.I + costs.W)  # the same on every rank
-    return PipelineTime(float(makespan) * NS, float(busy_per_rank) * NS, tuple(peaks), simulated)
+    return PipelineTime(float(makespan) * NS, float(busy_per_rank) * NS, tuple(peaks), simulated,
+                        float(exposed) * NS)
 
 
 @dataclass(frozen=True)
@@ -106,12 +127,14 @@ class _Shape:
 
 
 def estimate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, I: float, W: float,
-                  P: float) -> PipelineTime:
-    """busy + the closed-form idle + 2(pp − 1)·P, and the closed forms' peaks (module docstring)."""
+                  P: float, A: float = 0.0, exchanges: int = 0) -> PipelineTime:
+    """busy + the closed-form idle + 2(pp − 1)·P, and the closed forms' peaks (module docstring);
+    all-to-alls waited for in full (no overlap credited)."""
     v = visits(schedule, chunks)
     shape = _Shape(schedule, pp, m, v, pp * v)
     form = closed_form(shape, Costs(F=round(F / NS), I=round(I / NS), W=round(W / NS)))
     peaks = form.peak_activations or [min(m, pp) * v] * pp  # m < p: a bound (every micro-batch in flight)
     busy = m * v * (F + I + W)
     idle = float(form.idle) * NS + 2 * (pp - 1) * P
-    return PipelineTime(busy + idle, busy, tuple(peaks), ())
+    waits = m * v * 2 * exchanges * A
+    return PipelineTime(busy + idle + waits, busy, tuple(peaks), (), waits)
