@@ -11,7 +11,7 @@
 # (`refimpl/cluster/model.py`; its docstring states every term) answers them with the formulas
 # refimpl's executed code is tested against, the pipeline simulator, and a cluster's data sheet.
 # `python -m refimpl predict` prints one configuration; `plan` searches many and `calibrate`
-# measures this machine (both being written as this tutorial is). This tutorial
+# measures this machine (docs/cluster_model.md shows both). This tutorial
 #
 # 1. predicts GPT-3 175B on 1024 A100s with `predict`, the configuration of Narayanan et al. (2021);
 # 2. derives its memory per GPU by hand: model states by ZeRO's formula, activations of 1F1B;
@@ -38,7 +38,7 @@ from harness import last_json, run_mpi
 # ## 1. A prediction
 #
 # GPT-3 175B (Brown et al. 2020: 96 blocks, width 12288, 96 heads, sequence 2048) as Megatron-LM
-# trained it on 1024 A100s (Narayanan et al. 2021, Table 1): tensor parallelism 8 inside each
+# trained it on 1024 A100s (Megatron-LM's README of 2021): tensor parallelism 8 inside each
 # DGX node, a pipeline of 16 stages, 8 data-parallel replicas, a global batch of 1536 sequences in
 # micro-batches of one, full recomputation, 1F1B. We add ZeRO-1 (the optimizer states sharded over
 # the 8 replicas). A `Run` holds the flags of `predict`; the preset `a100-80gb` is a DGX A100's
@@ -54,7 +54,7 @@ prediction = predict(gpt3, a100)
 print(report(prediction, a100))
 
 # %% [markdown]
-# Narayanan et al. measured about 140 TFLOP/s per GPU for this run (Table 1), counting the
+# Narayanan et al. measured about 140 TFLOP/s per GPU for this run (§5.1), counting the
 # recomputation (their formula has 4 passes, where MFU counts 3): about 105 TFLOP/s of model FLOPs,
 # MFU 34%. The model
 # says 38%: it leaves out what slows a real run beyond its terms (stragglers, the data loader,
