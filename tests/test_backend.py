@@ -177,6 +177,10 @@ TYPES = {"ndarray", "dtype", "integer", "float64", "int64", "uint8", "random.Gen
 # waiting to happen: ask backend.xp(), or add the use here with its reason.
 HOST_BY_DESIGN = {
     "backend.py": ({"array", "asarray"}, "the backend itself"),
+    "cluster/calibrate.py": ({"add", "asarray", "float32", "full", "isfinite", "linalg.lstsq", "mean", "median", "ones",
+                              "random.default_rng", "stack", "sum", "unique", "zeros"},
+                             "calibration measures this host's NumPy engine (its rates are the NumPy backend's), and "
+                             "fits its timings on the host"),
     "data.py": ({"arange", "array", "concatenate", "cos", "full", "pi", "random.default_rng", "sin", "sort", "stack",
                  "asarray", "bincount", "cumsum", "empty", "flatnonzero", "frombuffer", "min_scalar_type", "take",
                  "zeros"},
