@@ -16,7 +16,7 @@ from dataclasses import replace
 from fractions import Fraction
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from refimpl import cli
@@ -47,6 +47,8 @@ def small(**kw) -> Run:
        pp=st.sampled_from([2, 4, 6]), periods=st.integers(4, 7), extra=st.integers(0, 5),
        F=st.integers(20, 200), I=st.integers(20, 300), W=st.integers(10, 200), P=st.integers(0, 100),
        A=st.sampled_from([0, 0, 15, 60]), k=st.integers(1, 3))
+@example(schedule="gpipe", pp=4, periods=4, extra=1, F=50, I=60, W=40, P=5, A=0, k=1)  # the one peak that grows with m
+@example(schedule="dualpipe", pp=4, periods=4, extra=2, F=50, I=60, W=40, P=5, A=60, k=2)  # F&B hides all-to-alls
 def test_the_extrapolated_makespan_equals_the_full_simulation(schedule, pp, periods, extra, F, I, W, P, A, k):
     unit = 2 if schedule == "dualpipe" else 1
     m = periods * pp * unit + (extra * unit % (pp * unit) if schedule not in ("interleaved",) else 0)
