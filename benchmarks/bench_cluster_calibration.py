@@ -227,18 +227,20 @@ def page(rows, clusters, command, started, loads) -> str:
                      f"{1e3 * pred.step_seconds:.0f} ms ({breakdown(pred)}).")
         for note in note_keys(cfg):
             lines.append(f"  {NOTES[note]}")
-    lines += ["", "What the model leaves out on this machine (measured by hand in one process, one thread, "
-              "on 2026-12-03, for the one-process configuration):", "",
-              "- the memory-bound kernels' efficiency is calibrated on one real Block (calibrate.py: "
-              "`memory_efficiency`), so the blocks' time is the measured one by construction; what remains is "
-              "outside the blocks: the training step took 0.45 s where the model's forward and backward "
-              "(blocks, embedding, head, loss) and optimizer come to 0.36 s; the trainer's gradient clipping, "
-              "zeroing and the loss's bookkeeping are not in the model;",
-              "- the optimizer is priced by its bytes at the memory-bound kernels' efficiency, which the Block's "
-              "transcendentals (tanh, exp) set low: the model says 32 ms, AdamW took 10 ms;",
-              "- float64 runs use the efficiency calibrated in float32;",
-              "- noise: the same forward pass took 0.133 s and 0.195 s in consecutive calls; a rate measured in a "
-              "0.15 s window and a run of seconds see different neighbours on a shared 2-core machine.", ""]
+    lines += ["", "Why the predictions lean low (measured by hand in one process, one BLAS thread, on "
+              "2026-12-03, for the one-process configuration, 16 × 64 tokens):", "",
+              "- the memory-bound kernels' efficiency is calibrated on one real Block (calibrate.py, "
+              "`memory_efficiency`), so the model's Block takes what the calibration's Block took: 0.077 s "
+              "in the calibration's 0.15 s window; the same Block timed again minutes later took 0.094–0.100 s, "
+              "and four of them 0.375–0.40 s against the model's 0.31 s. A short window on a shared 2-core "
+              "machine catches its fast moments; a run of seconds does not;",
+              "- outside the blocks: the whole forward and backward (blocks, embedding, head, loss) took 0.43 s "
+              "and the training step 0.46 s; the embedding's scatter-add backward, the trainer's clipping, "
+              "zeroing and bookkeeping are not in the model (the optimizer is: AdamW's update, measured by "
+              "calibrate);",
+              "- float64 runs use the efficiencies calibrated in float32;",
+              "- the same forward pass took 0.133 s and 0.195 s in consecutive calls: differences of 15% between "
+              "runs are this machine's, not the model's.", ""]
     return "\n".join(lines)
 
 
