@@ -308,7 +308,8 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
     if run.zero == 3 and run.dp > 1:
         dp_group = Group.of(run.dp, t, cluster)
         dense, experts = rank_parameters(run, first=False, last=last)
-        psi_stage = (dense + experts) / visits(run.schedule, run.chunks) if run.pp > 1 else dense + experts
+        stages_held = visits(run.schedule, run.chunks) * parameter_copies(run.schedule) if run.pp > 1 else 1
+        psi_stage = (dense + experts) / stages_held  # the parameters of the stage this action runs
         p_bytes, g_bytes, _ = PRECISIONS[run.dtype]
         gather = links.allgather(psi_stage * p_bytes, dp_group)
         scatter = links.reduce_scatter(psi_stage * g_bytes, dp_group)
