@@ -99,6 +99,17 @@ print("verify ok:", result["ok"], "| largest |diff|:", result["max_abs_diff"], "
 assert result["ok"]
 
 # %% [markdown]
+# Reading verify's report. The JSON line shows `"max_rel_diff"` near 6e-04 beside `"rtol":1e-10`,
+# and the verdict is still PASS: max_rel_diff is |diff| / max(|reference|, atol) of the worst
+# element, and here that element is a gradient that is zero up to rounding (the key bias of
+# attention: softmax ignores a constant added to every score, so its exact gradient is 0, and the
+# computed one is rounding noise of order 1e-16). A difference of 6e-16 over an allowance of
+# atol = 1e-12 is 6e-04 of that allowance. The verdict uses |diff| ≤ atol + rtol·|reference| for
+# every number, and the stderr line reports the worst ratio, `largest |diff| / (atol + rtol
+# |reference|)`, also called *tolerance used*: it passes at ≤ 1, and here it is under 0.001. A
+# wrong gradient exceeds 1 by orders of magnitude. The same lines appear in tutorials 06, 07
+# and 08.
+#
 # How many bytes should that be? The model has Ψ parameters. A ring all-reduce of Ψ float64
 # gradients sends 2Ψ(N − 1)/N elements per rank per step; one more float64 per step is the loss
 # (`allreduce_value`, which at N = 2 sends one element from each rank):
@@ -156,8 +167,9 @@ for mode, extra in [("naive", []), ("bucketed", ["--bucket-bytes", "4096"])]:
 # bytes, in the model's order, return the buckets as lists of parameter indices. Walk the
 # parameters in backward order (last first); start a new bucket when adding the next parameter
 # would take the current one past `bucket_bytes` (a bucket may fill it exactly; a parameter larger
-# than that gets a bucket of its own). The check compares with `_Buckets` in
-# `refimpl/parallel/data_parallel.py`, also at sizes that the model's last parameters fill exactly.
+# than that gets a bucket of its own). The check compares with `assign_buckets` in
+# `refimpl/parallel/data_parallel.py` (the rule DDP's `_Buckets` and ZeRO's groups use), also at
+# sizes that the model's last parameters fill exactly.
 
 # %%
 from harness import Exercises
@@ -185,4 +197,4 @@ def assign_buckets(param_bytes, bucket_bytes):
 ex.check(1, check_rank_micro_batches, rank_micro_batches)
 ex.check(2, check_local_loss, local_loss)
 ex.check(3, check_assign_buckets, assign_buckets)
-ex.summary()
+ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

@@ -50,10 +50,18 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "memory", "--params", "7.
                      capture_output=True, text=True, check=True).stdout)
 
 # %% [markdown]
-# 120 GB per rank does not fit on any accelerator; 1.9 GB does. The communication stays that of
-# data parallelism for stages 1 and 2, 2Ψ(N − 1)/N, because an all-reduce *is* a reduce-scatter
+# 120 GB per rank is more than an 80 GB A100 or H100 holds, and it nearly fills the largest
+# accelerators (141 GB on an H200, 192 GB on an MI300X or a B200) before a single activation is
+# stored; 1.9 GB fits on any of them, with the rest left for activations.
+#
+# In the communication lines, g is the number of micro-batches per optimizer step (gradient
+# accumulation, tutorial 04); the command assumes g = 1. The communication stays that of data
+# parallelism for stages 1 and 2, 2Ψ(N − 1)/N, because an all-reduce *is* a reduce-scatter
 # followed by an all-gather (tutorial 03), and ZeRO-1 and ZeRO-2 simply run the two halves at
-# different moments. ZeRO-3 gathers the parameters twice, in forward and in backward: 3Ψ(N − 1)/N.
+# different moments. With g > 1, ZeRO-2 reduce-scatters after every micro-batch, because it keeps
+# only a shard of the gradient: (g + 1)Ψ(N − 1)/N. ZeRO-3 gathers the parameters twice per
+# micro-batch, in forward and in backward, and reduce-scatters once: 3gΨ(N − 1)/N, which is
+# 3Ψ(N − 1)/N at g = 1.
 #
 # ## 2. Flat buffers and the sharded step
 #
@@ -253,4 +261,4 @@ def sharded_update(optimizer, params, grads, n, states):
 ex.check(1, check_model_state_bytes, model_state_bytes)
 ex.check(2, check_shard_bounds, shard_bounds)
 ex.check(3, check_sharded_update, sharded_update)
-ex.summary()
+ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

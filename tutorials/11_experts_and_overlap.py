@@ -514,4 +514,4 @@ def exposed_time(order, cost):
 ex.check(1, check_dispatch_indices, dispatch_indices)
 ex.check(2, check_overlapped_order, overlapped_order)
 ex.check(3, check_exposed_time, exposed_time)
-ex.summary()
+ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

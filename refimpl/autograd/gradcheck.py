@@ -54,8 +54,8 @@ def gradcheck(fn, inputs, *, eps: float = 1e-6, atol: float = 1e-6, rtol: float 
             flat[j] = original
             numeric.reshape(-1)[j] = (plus - minus) / (2 * eps)
         if not np.allclose(a, numeric, atol=atol, rtol=rtol):
-            worst = np.unravel_index(np.argmax(np.abs(a - numeric)), a.shape) if a.size else ()
-            raise GradcheckError(
+            worst = tuple(int(i) for i in np.unravel_index(np.argmax(np.abs(a - numeric)), a.shape)) if a.size else ()
+            raise GradcheckError(  # plain Python numbers: NumPy 2's repr would print np.float64(...)
                 f"gradient of input {position} (shape {t.shape}) differs from finite differences: "
-                f"at {worst} analytic {a[worst]!r} vs numeric {numeric[worst]!r}")
+                f"at {worst} analytic {float(a[worst])!r} vs numeric {float(numeric[worst])!r}")
     return True

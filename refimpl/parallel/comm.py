@@ -283,12 +283,14 @@ class Comm:
 
     def _check_rank(self, rank: int, name: str) -> None:
         if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.size):
-            raise ValueError(f"{name}={rank!r} is not a rank of this communicator (size {self.size})")
+            shown = int(rank) if isinstance(rank, np.integer) else rank  # not NumPy 2's np.int64(...)
+            raise ValueError(f"{name}={shown!r} is not a rank of this communicator (size {self.size})")
 
     @staticmethod
     def _check_tag(tag: int) -> None:
         if not (isinstance(tag, (int, np.integer)) and 0 <= tag <= MAX_TAG):
-            raise ValueError(f"tag={tag!r} must be an integer in 0..{MAX_TAG}")
+            shown = int(tag) if isinstance(tag, np.integer) else tag  # not NumPy 2's np.int64(...)
+            raise ValueError(f"tag={shown!r} must be an integer in 0..{MAX_TAG}")
 
     @staticmethod
     def _check_pair(send, recv, what: str) -> None:

@@ -11,7 +11,7 @@ implementation. In a tutorial:
     ex = Exercises("03_collectives")
 
     @ex.stub
-    def ring_allgather(blocks):
+    def ring_allgather(link, buf):
         raise NotImplementedError("exercise 1")
 
     ex.check(1, check_ring_allgather, ring_allgather)   # prints: not done yet / wrong: ... / correct
@@ -63,6 +63,28 @@ class Wrong(AssertionError):
     """Raised by a check when the student's answer differs from refimpl's; the message says how."""
 
 
+def plain(value):
+    """`value` with NumPy scalars as plain Python numbers, inside lists, tuples and dicts too.
+
+    NumPy 2's repr of a scalar is `np.float64(0.25)` or `np.int64(3)`; a message to a student shows
+    `0.25` and `3` instead: `f"{plain(x)!r}"`, or `shown(x)`.
+    """
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    return value
+
+
+def shown(value) -> str:
+    """repr(value) for a message, with NumPy scalars written as plain numbers (see `plain`)."""
+    return repr(plain(value))
+
+
 def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e-12) -> None:
     """Raise Wrong unless `got` has `expected`'s shape and values (float64 tolerances by default)."""
     import numpy as np  # noqa: PLC0415 - keep `import harness` light
@@ -75,8 +97,8 @@ def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e
     if not np.allclose(got, expected, rtol=rtol, atol=atol):
         diff = np.abs(got.astype(np.float64) - expected)
         at = np.unravel_index(np.argmax(diff), diff.shape) if diff.ndim else ()
-        raise Wrong(f"{what} differs: at index {tuple(int(i) for i in at)} you have {got[at]!r}, "
-                    f"expected {expected[at]!r} (largest |difference| {diff.max():.3g})")
+        raise Wrong(f"{what} differs: at index {tuple(int(i) for i in at)} you have {shown(got[at])}, "
+                    f"expected {shown(expected[at])} (largest |difference| {float(diff.max()):.3g})")
 
 
 @dataclass
@@ -222,5 +244,5 @@ def last_json(done: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1])
 
 
-__all__ = ["Exercises", "Wrong", "expect_close", "Result", "run_check", "title", "solutions_dir", "run_mpi",
-           "last_json"]
+__all__ = ["Exercises", "Wrong", "plain", "shown", "expect_close", "Result", "run_check", "title", "solutions_dir",
+           "run_mpi", "last_json"]

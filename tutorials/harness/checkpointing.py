@@ -15,7 +15,7 @@ from refimpl.checkpointing.measure import tanh_chain
 from refimpl.checkpointing.plans import segment_actions
 from refimpl.checkpointing.state import generators_of, parameters_of
 
-from . import Wrong
+from . import Wrong, plain
 
 
 def check_sqrt_cost(sqrt_cost) -> None:
@@ -37,7 +37,7 @@ def check_revolve_extra(revolve_extra) -> None:
             got = revolve_extra(n, slots)
             if got != expected:
                 raise Wrong(f"n={n}, C={slots}: revolve reverses the chain with {expected} advances "
-                            f"(t(n, C) = r·n − β(C+1, r−1)); you said {got}")
+                            f"(t(n, C) = r·n − β(C+1, r−1)); you said {plain(got)}")
     for n, slots in [(8, 2), (13, 3)]:  # and the engine agrees: t + n counted layer forwards
         measured = measure_chain(tanh_chain(n), f"revolve:{slots}")
         if measured.extra_forwards != revolve_extra(n, slots):

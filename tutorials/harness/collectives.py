@@ -24,7 +24,7 @@ import numpy as np
 
 from refimpl.parallel import ring
 
-from . import Wrong
+from . import Wrong, plain
 
 
 class RingDeadlock(RuntimeError):
@@ -176,4 +176,4 @@ def check_allreduce_bytes(allreduce_bytes) -> None:
                 got = allreduce_bytes(max(length, 0), size, rank, 4)
                 if got != expected:
                     raise Wrong(f"an all-reduce of {length} float32 elements over {size} ranks: rank {rank} "
-                                f"sends {expected} bytes, you said {got}")
+                                f"sends {expected} bytes, you said {plain(got)}")

@@ -9,7 +9,7 @@ from refimpl.parallel.mesh import Mesh
 from refimpl.parallel.pipeline import build
 from refimpl.parallel.pipeline.stage import stage_sizes
 
-from . import Wrong
+from . import Wrong, shown, plain
 
 
 class _World:
@@ -73,10 +73,10 @@ def check_mesh_coordinates(mesh_coordinates) -> None:
                 got[rank] = tuple(int(i) for i in answer)
             except TypeError:
                 raise Wrong(f"{shape}: return the three indices (d, p, t) of rank {rank}; you returned "
-                            f"{answer!r}") from None
+                            f"{shown(answer)}") from None
             if len(got[rank]) != 3:
                 raise Wrong(f"{shape}: return three indices (d, p, t) -- replica, stage, tensor-parallel shard -- "
-                            f"not {len(got[rank])}; you said {got[rank]} for rank {rank}")
+                            f"not {len(got[rank])}; you said {plain(got[rank])} for rank {rank}")
         if got == expected:
             continue
         for order in permutations(megatron):  # a whole table in another order: name that order
@@ -89,7 +89,7 @@ def check_mesh_coordinates(mesh_coordinates) -> None:
         rank = next(r for r in range(n) if got[r] != expected[r])
         d, p, t = expected[rank]
         raise Wrong(f"{shape}: rank {rank} is replica d={d}, stage p={p}, tensor-parallel shard t={t}, that is "
-                    f"(d, p, t) = {expected[rank]}; you said {got[rank]}")
+                    f"(d, p, t) = {expected[rank]}; you said {plain(got[rank])}")
 
 
 def check_stage_layers(stage_layers) -> None:
@@ -99,7 +99,7 @@ def check_stage_layers(stage_layers) -> None:
             expected = stage_sizes(layers, stages)
             got = list(stage_layers(layers, stages))
             if got != expected:
-                raise Wrong(f"{layers} layers over {stages} stages are split {expected}; you said {got}")
+                raise Wrong(f"{layers} layers over {stages} stages are split {expected}; you said {plain(got)}")
 
 
 def reference_gradient_group(rank: int, dp: int, pp: int, schedule: str) -> list[int]:
@@ -125,7 +125,7 @@ def check_gradient_group(gradient_group) -> None:
                 got = list(gradient_group(rank, dp, pp, schedule))
                 if sorted(got) == expected and got != expected:
                     raise Wrong(f"{schedule}, dp={dp}, pp={pp}: rank {rank}'s group is the right ranks, but return "
-                                f"them sorted, in increasing order: {expected}; you said {got}")
+                                f"them sorted, in increasing order: {expected}; you said {plain(got)}")
                 if got != expected:
                     raise Wrong(f"{schedule}, dp={dp}, pp={pp}: rank {rank} sums its gradients with ranks {expected} "
-                                f"(every rank that holds the same stages); you said {got}")
+                                f"(every rank that holds the same stages); you said {plain(got)}")

@@ -12,7 +12,7 @@ from refimpl.nn import functional as F
 from refimpl.objective import count_targets, split_batch
 from refimpl.parallel.data_parallel import assign_buckets as library_assign_buckets
 
-from . import Wrong, expect_close
+from . import Wrong, expect_close, shown, plain
 
 
 def check_rank_micro_batches(rank_micro_batches) -> None:
@@ -50,7 +50,7 @@ def check_local_loss(local_loss) -> None:
         for xs, ys in split_batch(x, y, world_size, "ranks"):
             loss = local_loss(model, xs, ys, total)
             if not isinstance(loss, Tensor) or loss.size != 1:
-                raise Wrong(f"return the scalar loss Tensor that this rank calls backward() on; got {loss!r}")
+                raise Wrong(f"return the scalar loss Tensor that this rank calls backward() on; got {shown(loss)}")
             loss.backward()  # gradients accumulate: the sum over ranks, as the all-reduce computes
             losses.append(loss.item())
         for name, p in model.named_parameters():
@@ -78,5 +78,5 @@ def check_assign_buckets(assign_buckets) -> None:
             raise Wrong(f"with bucket_bytes={bucket_bytes} and the parameter sizes of a 2-layer GPT there are "
                         f"{len(expected)} buckets and bucket {first} is "
                         f"{expected[first] if first < len(expected) else 'absent'}; you made {len(got)} buckets, "
-                        f"and bucket {first} is {got[first] if first < len(got) else 'absent'}"
+                        f"and bucket {first} is {plain(got[first]) if first < len(got) else 'absent'}"
                         + (" (a bucket may hold exactly bucket_bytes)" if bucket_bytes in exact else ""))

@@ -32,7 +32,7 @@ import numpy as np
 from refimpl.nn.experts import route
 from refimpl.parallel import ring
 
-from . import Wrong
+from . import Wrong, shown, plain
 from . import tensor_parallel
 from .tensor_parallel import ThreadComm
 
@@ -184,10 +184,10 @@ def _check_inverse(inverse, expected, order, chosen, what: str) -> None:
     t, c = int(bad[0]), int(bad[1])
     a = t * K + c
     got = int(inverse[t, c])
-    holds = (f"row {got} holds assignment {int(order[got])} (token {int(order[got]) // K}, expert "
-             f"{int(flat[order[got]])})") if 0 <= got < len(order) else f"there is no row {got}"
+    holds = (f"row {plain(got)} holds assignment {int(order[got])} (token {int(order[got]) // K}, expert "
+             f"{int(flat[order[got]])})") if 0 <= got < len(order) else f"there is no row {plain(got)}"
     raise Wrong(f"{what}: token {t}'s choice {c} (assignment {a}, expert {int(flat[a])}) sits at sorted row "
-                f"{int(expected[t, c])}; your inverse reads row {got}, and {holds}")
+                f"{int(expected[t, c])}; your inverse reads row {plain(got)}, and {holds}")
 
 
 def check_dispatch_indices(dispatch_indices) -> None:
@@ -199,7 +199,7 @@ def check_dispatch_indices(dispatch_indices) -> None:
         where = f"{what}, chosen = {chosen.tolist()}" if N <= 9 else what
         got = dispatch_indices(chosen.copy(), E)
         if not isinstance(got, (tuple, list)) or len(got) != 3:
-            raise Wrong(f"return the 3 arrays (order, counts, inverse); got {got!r}")
+            raise Wrong(f"return the 3 arrays (order, counts, inverse); got {shown(got)}")
         g_order, g_counts, g_inverse = (_as_int_array(v, n, where) for v, n in zip(got, ("order", "counts", "inverse")))
         _check_order(g_order, order, chosen, where)
         _check_counts(g_counts, counts, chosen, where)
@@ -286,7 +286,7 @@ def check_overlapped_order(overlapped_order) -> None:
         got = overlapped_order(list(forward), list(backward))
         where = f"{what}: F = {forward}, B = {backward}"
         if not isinstance(got, (list, tuple)) or not all(isinstance(x, (list, tuple)) and len(x) == 2 for x in got):
-            raise Wrong(f"{where}: return a list of (task, chunk) pairs, task 'F' or 'B'; got {got!r}")
+            raise Wrong(f"{where}: return a list of (task, chunk) pairs, task 'F' or 'B'; got {shown(got)}")
         got = [(str(t), c) for t, c in got]
         if any(t not in ("F", "B") for t, _ in got):
             raise Wrong(f"{where}: every pair's task must be 'F' or 'B'; yours has {sorted({t for t, _ in got})}")
@@ -446,7 +446,7 @@ def check_exposed_time(exposed_time) -> None:
         try:
             value = Fraction(got).limit_denominator(10**6) if not isinstance(got, Fraction) else got
         except (TypeError, ValueError):
-            raise Wrong(f"{what}: return a number; got {got!r}") from None
+            raise Wrong(f"{what}: return a number; got {shown(got)}") from None
         if value == expected:
             continue
         where = f"{what}: order {_show(order)}; {_describe_costs(table, order)}"

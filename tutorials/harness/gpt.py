@@ -10,7 +10,7 @@ from refimpl.autograd import Tensor
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 
-from . import Wrong, expect_close
+from . import Wrong, expect_close, plain
 
 
 def check_attention(attention) -> None:
@@ -35,7 +35,7 @@ def check_count_parameters(count_parameters) -> None:
         got = count_parameters(vocab, seq_len, n_layer, d_model)
         if got != expected:
             raise Wrong(f"for vocab_size={vocab}, seq_len={seq_len}, n_layer={n_layer}, d_model={d_model} "
-                        f"the GPT has {expected} parameters; you counted {got}")
+                        f"the GPT has {expected} parameters; you counted {plain(got)}")
 
 
 def check_cross_entropy(cross_entropy) -> None:

@@ -17,7 +17,7 @@ from refimpl.cluster.model import EFFICIENCY, Run, matmul_parameters, memory_bre
 from refimpl.cluster.pipeline import simulate_step
 from refimpl.memory import PRECISIONS, STAGE_FORMULAS
 
-from . import Wrong
+from . import Wrong, shown
 
 A100, H100 = PRESETS["a100-80gb"], PRESETS["h100-80gb"]
 ITEMSIZE = {"mixed": 2, "float32": 4, "float64": 8}
@@ -127,7 +127,7 @@ def check_model_state_bytes(model_state_bytes) -> None:
                 p, g, k = PRECISIONS[run.dtype]
                 raise Wrong(f"{describe(run)}, {_rank(first, last)}: it holds Ψ = {_psi(run, first, last):,.0f} "
                             f"parameters and {expected:,} bytes of model states (ZeRO-{run.zero}: "
-                            f"{STAGE_FORMULAS[run.zero]}, P={p} G={g} K={k}, N = dp = {run.dp}); you said {got!r}"
+                            f"{STAGE_FORMULAS[run.zero]}, P={p} G={g} K={k}, N = dp = {run.dp}); you said {shown(got)}"
                             + _diagnose(got, _state_variants(run, first, last), slack=3))
 
 
@@ -206,7 +206,7 @@ def check_activation_bytes(activation_bytes) -> None:
         if not _close(got, expected, slack=1):  # the model rounds down to whole bytes
             raise Wrong(f"{describe(run)}: the first pipeline rank holds {expected:,} bytes of activations at its "
                         f"peak ({in_flight_1f1b(run)} micro-batches in flight × {run.blocks_per_stage} blocks"
-                        + (" + the head's logits" if run.pp == 1 else "") + f"); you said {got!r}"
+                        + (" + the head's logits" if run.pp == 1 else "") + f"); you said {shown(got)}"
                         + _diagnose(got, _activation_variants(run), slack=1))
 
 
@@ -273,7 +273,7 @@ def check_compute_seconds(compute_seconds) -> None:
         got = compute_seconds(run, cluster)
         if not _close(got, expected):
             raise Wrong(f"{describe(run)} on {cluster.name}: by the tutorial's rule the step computes for "
-                        f"{expected:.6g} s; you said {got!r}" + _diagnose(got, _time_variants(run, cluster)))
+                        f"{expected:.6g} s; you said {shown(got)}" + _diagnose(got, _time_variants(run, cluster)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def check_mfu(mfu) -> None:
                                                                                               efficiency=True),
                 }
                 raise Wrong(f"{describe(run)} on {cluster.name}, a step of {step:.6g} s: MFU {expected:.6g} "
-                            f"(predict's), you said {got!r}" + _diagnose(got, variants))
+                            f"(predict's), you said {shown(got)}" + _diagnose(got, variants))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,5 +360,5 @@ def check_tp_share(tp_share) -> None:
                         f"{EFFICIENCY.network} of it": _tp_share(h, t, cluster, network=False),
                     }
                     raise Wrong(f"h = {h}, t = {t} on {cluster.name} (inside a node, α ignored): tp's all-reduces "
-                                f"take {expected:.6g} of the block's forward; you said {got!r}"
+                                f"take {expected:.6g} of the block's forward; you said {shown(got)}"
                                 + _diagnose(got, variants))

@@ -16,7 +16,7 @@ from refimpl.parallel.pipeline import Costs, ScheduleError, build, parse_action,
 from refimpl.parallel.pipeline.actions import Action, Schedule, linear_placement, make_schedule
 from refimpl.parallel.pipeline.simulate import Deadlock, peak_in_flight
 
-from . import Wrong
+from . import Wrong, plain
 
 
 def to_schedule(name: str, pp: int, m: int, programs) -> Schedule:
@@ -86,7 +86,7 @@ def check_bubble_fraction(bubble_fraction) -> None:
             got = bubble_fraction(pp, m)
             if got is None or abs(float(got) - float(expected)) > 1e-12:
                 raise Wrong(f"pp={pp}, m={m}: the simulator measures a bubble fraction of {expected} "
-                            f"= {float(expected):.4f}; you said {got}")
+                            f"= {float(expected):.4f}; you said {plain(got)}")
 
 
 def check_zb1p_idle(zb1p_idle) -> None:
@@ -98,7 +98,7 @@ def check_zb1p_idle(zb1p_idle) -> None:
             got = zb1p_idle(pp, F_, I_, W_)
             if got is None or abs(float(got) - float(idle[0])) > 1e-12:
                 raise Wrong(f"pp={pp}, F={F_}, I={I_}, W={W_} (m={2 * pp}): every rank idles {idle[0]} in the "
-                            f"simulator; you said {got}")
+                            f"simulator; you said {plain(got)}")
 
 
 def check_peak_activations(peak_activations) -> None:
@@ -113,7 +113,7 @@ def check_peak_activations(peak_activations) -> None:
                 got = peak_activations(program, free_at)
                 if got != expected:
                     raise Wrong(f"{name} pp={pp} m={m}, rank {rank}, activations freed at {free_at}: the peak is "
-                                f"{expected}, you said {got} (program: {' '.join(program[:12])} ...)")
+                                f"{expected}, you said {plain(got)} (program: {' '.join(program[:12])} ...)")
 
 
 def check_zb_h1(zb_h1) -> None:

@@ -39,7 +39,7 @@ from refimpl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 from refimpl.parallel.tensor_parallel.operators import (CopyToTensorParallel, GatherSequence, ReduceFromTensorParallel,
                                                         ReduceScatterSequence)
 
-from . import Wrong, expect_close
+from . import Wrong, expect_close, shown
 
 TIMEOUT_S = 60.0  # a rank waits this long in a collective before the simulation gives up
 
@@ -393,12 +393,12 @@ def check_conjugate_operators(conjugate_operators) -> None:
     """Check: the conjugate operators f and g."""
     operators = conjugate_operators()
     if not isinstance(operators, (tuple, list)) or len(operators) != 2:
-        raise Wrong(f"return the pair of classes (f, g); got {operators!r}")
+        raise Wrong(f"return the pair of classes (f, g); got {shown(operators)}")
     f, g = operators
     for name, cls in (("f", f), ("g", g)):
         if not (isinstance(cls, type) and issubclass(cls, Function)):
             raise Wrong(f"{name} must be a class derived from refimpl.autograd.Function (return the class itself, "
-                        f"not an instance or a function); got {cls!r}")
+                        f"not an instance or a function); got {shown(cls)}")
         own = (CopyToTensorParallel, ReduceFromTensorParallel, GatherSequence, ReduceScatterSequence)
         if issubclass(cls, own):
             base = next(b for b in own if issubclass(cls, b))
@@ -481,7 +481,8 @@ def check_mlp_slices(mlp_slices) -> None:
         for r in range(t):
             got = mlp_slices(*(case[n].copy() for n in MLP_NAMES), r, t)
             if not isinstance(got, (tuple, list)) or len(got) != 4:
-                raise Wrong(f"return the 4 arrays (fc_weight_r, fc_bias_r, proj_weight_r, proj_bias_r); got {got!r}")
+                raise Wrong("return the 4 arrays (fc_weight_r, fc_bias_r, proj_weight_r, proj_bias_r); "
+                            f"got {shown(got)}")
             expected = reference_mlp_slices(*(case[n] for n in MLP_NAMES), r, t)
             fc_w, fc_b, proj_w, proj_b = (np.asarray(a) if a is not None else None for a in got)
             by_input = (case["fc_weight"].shape[0], case["fc_weight"].shape[1] // t)  # (4C, C/t)
@@ -539,7 +540,7 @@ def check_qkv_slices(qkv_slices) -> None:
             for r in range(t):
                 got = qkv_slices(weight.copy(), bias.copy(), n_head, r, t)
                 if not isinstance(got, (tuple, list)) or len(got) != 2:
-                    raise Wrong(f"return the 2 arrays (qkv_weight_r, qkv_bias_r); got {got!r}")
+                    raise Wrong(f"return the 2 arrays (qkv_weight_r, qkv_bias_r); got {shown(got)}")
                 w, b = (np.asarray(a) if a is not None else None for a in got)
                 expected_w, expected_b = reference_qkv_slices(weight, bias, n_head, r, t)
                 rows = _which(expected_w, weight, 0)

@@ -10,7 +10,7 @@ from refimpl.autograd import Parameter
 from refimpl.optim import AdamW
 from refimpl.parallel.zero.flat import FlatGroup
 
-from . import Wrong
+from . import Wrong, shown, plain
 
 
 def check_model_state_bytes(model_state_bytes) -> None:
@@ -23,7 +23,7 @@ def check_model_state_bytes(model_state_bytes) -> None:
                 if got is None or abs(got - expected) > 1e-6 * max(1, expected):
                     name = memory.STAGE_NAMES[stage]
                     raise Wrong(f"{name} with Ψ={psi:,}, N={n}, P={p}, G={g}, K={k} holds {expected:,} bytes per rank "
-                                f"({memory.STAGE_FORMULAS[stage]}); you said {got}")
+                                f"({memory.STAGE_FORMULAS[stage]}); you said {plain(got)}")
 
 
 def check_shard_bounds(shard_bounds) -> None:
@@ -38,7 +38,7 @@ def check_shard_bounds(shard_bounds) -> None:
                 if got != expected:
                     raise Wrong(f"{sum(sizes)} elements over {n} ranks: the buffer is padded to {group.length} and "
                                 f"rank {rank} owns [{group.start}, {group.stop}); you said (length, start, stop) = "
-                                f"{got}")
+                                f"{plain(got)}")
 
 
 def check_sharded_update(sharded_update) -> None:
@@ -59,8 +59,8 @@ def check_sharded_update(sharded_update) -> None:
             if not np.array_equal(ours, whole):
                 at = int(np.argmax(ours != whole))
                 raise Wrong(f"{n} ranks, {length} elements, step {step + 1}: element {at} (rank {at // block}'s shard) "
-                            f"is {ours[at]!r} but one AdamW over the whole buffer gives {whole[at]!r}; each rank "
-                            f"must update exactly its own block with its own state")
+                            f"is {shown(ours[at])} but one AdamW over the whole buffer gives {shown(whole[at])}; "
+                            "each rank must update exactly its own block with its own state")
         for r, state in enumerate(states):
             if state["m"].shape != (block,):
                 raise Wrong(f"rank {r}'s optimizer state must stay the size of its shard, {block}")
