@@ -1,4 +1,4 @@
-"""Regenerate the tables and pictures in docs/pipeline_schedules.md from the commands named there.
+"""Regenerate the tables and schedule grids in docs/pipeline_schedules.md from the commands named there.
 
 Launch: python benchmarks/pipeline_schedule_docs.py [--check]
 
@@ -13,6 +13,12 @@ This script runs each COMMAND (in this process, so it is quick) and replaces the
 output, preceded by the command itself so that a reader sees where every number comes from.
 With --check it changes nothing and exits 1 if any block is out of date (tests/test_pipeline_docs.py
 runs that).
+
+The SVG pictures the page shows (docs/images/1f1b.svg, zb1p.svg, zbv.svg, each below its schedule's
+table) are not written here: docs/generate.py draws them (its PICTURES, with the command named in
+each caption) and runs this script. Everything outside the generated blocks, the pictures'
+Markdown included, is the page's own text and is kept as it is; tests/test_docs.py checks that
+every picture docs/generate.py draws is shown on some page.
 """
 
 from __future__ import annotations
