@@ -120,7 +120,8 @@ def test_link_rewriting(caplog):
     hooks = runpy.run_path(str(REPO / "docs" / "hooks.py"))
     rewrite = hooks["_rewrite"]
     text = "[engine](../refimpl/autograd/engine.py) [page](data_parallel.md) [t](../tutorials/01_autograd.py)"
-    assert rewrite(text, "autograd.md", None) == "engine [page](data_parallel.md) [t](tutorials/01_autograd.md)"
+    assert rewrite(text, "autograd.md", None) == ("[engine](source/refimpl/autograd/engine.py.md) [page](data_parallel.md) "
+                                                  "[t](tutorials/01_autograd.md)")  # no repo_url: the site's page of the file
     url = "https://example.org/refimpl"
     assert rewrite(text, "autograd.md", url).startswith(f"[engine]({url}/blob/main/refimpl/autograd/engine.py)")
     assert rewrite("```\n[x](../nowhere.py)\n```\n", "a.md", None) == "```\n[x](../nowhere.py)\n```\n"
@@ -140,8 +141,43 @@ def test_the_tutorial_pages_show_prose_and_code():
 @pytest.mark.skipif(not HAS_MKDOCS, reason="mkdocs and mkdocs-material are not installed (pip install -e '.[docs]')")
 def test_the_site_builds_strictly(tmp_path):
     mkdocs = [sys.executable, "-m", "mkdocs"] if shutil.which(sys.executable) else ["mkdocs"]
+    # The tutorial pages without their output: running all twelve takes about a minute
+    # (test_a_tutorial_page_shows_its_output renders one with it).
     done = subprocess.run([*mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=clean_env({"NO_MKDOCS_2_WARNING": "1"}))
+                          capture_output=True, text=True, timeout=300,
+                          env=clean_env({"NO_MKDOCS_2_WARNING": "1", "REFIMPL_DOCS_TUTORIAL_OUTPUT": "0"}))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "site" / "tutorials" / "01_autograd" / "index.html").exists()
     assert (tmp_path / "site" / "images" / "dualpipe.svg").exists()
+    # Links to source files resolve: to the site's page of the file (no repo_url is configured).
+    autograd = (tmp_path / "site" / "autograd" / "index.html").read_text()
+    assert 'href="../source/refimpl/autograd/engine.py/"' in autograd
+    engine = (tmp_path / "site" / "source" / "refimpl" / "autograd" / "engine.py" / "index.html").read_text()
+    assert "as it was when this site was built" in engine and "topological" in engine  # the file's text, highlighted
+
+
+@pytest.mark.skipif(not HAS_MKDOCS, reason="mkdocs and mkdocs-material are not installed (pip install -e '.[docs]')")
+def test_a_tutorial_page_shows_its_output():
+    """The site's tutorial pages carry what each cell printed, run at build time as a notebook runs."""
+    hooks = runpy.run_path(str(REPO / "docs" / "hooks.py"))
+    path = REPO / "tutorials" / "01_autograd.py"
+    outputs = hooks["run_tutorial"](path)
+    assert not [o for o in outputs if "error" in o], outputs
+    page = hooks["tutorial_markdown"](path, outputs)
+    assert "with the output of a run made when this site was built" in page
+    assert "```text\n" in page and "01_autograd: 0 of 3 exercises correct" in page
+    assert not re.search(r"exercises correct[^`]*\n(True|False)\n```", page), "summary()'s bool is not echoed"
+
+
+def test_every_picture_is_shown_on_a_page():
+    pages = "\n".join(p.read_text() for p in (REPO / "docs").glob("*.md"))
+    for name in GENERATE["PICTURES"]:
+        assert f"images/{name}.svg" in pages, f"docs/images/{name}.svg is drawn but shown on no page"
+
+
+def test_the_autograd_page_snippet_runs():
+    text = (REPO / "docs" / "autograd.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(snippet, "docs/autograd.md", "exec"), namespace)  # noqa: S102 - the page's own example
+    assert namespace["w"].grad is not None

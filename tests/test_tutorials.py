@@ -401,3 +401,39 @@ def test_solutions_mode_swaps_stubs_and_raises_on_a_failing_check(monkeypatch):
     student = Exercises("02_gpt")
     assert student.stub(attention) is attention
     assert student.check(2, check_count_parameters, lambda *a: 0) is False  # printed, not raised
+
+
+# ------------------------------------------------------------------------------------------------
+# As notebooks (jupytext): opened in tutorials/ and run cell by cell in a Jupyter kernel
+# ------------------------------------------------------------------------------------------------
+
+NOTEBOOKS = [REPO / "tutorials" / "01_autograd.py", REPO / "tutorials" / "03_collectives.py"]
+
+
+def test_a_notebook_does_not_echo_the_summary():
+    for path in TUTORIALS:
+        last_line = path.read_text().rstrip().splitlines()[-1]
+        assert last_line.startswith("ex.summary();"), f"{path.name}: end with `ex.summary();` (no stray True/False)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=ids(NOTEBOOKS))
+def test_tutorial_runs_as_a_notebook(path, monkeypatch):
+    """Two of the tutorials, converted by jupytext and executed in a kernel as a student opens them.
+
+    Two, not all twelve: a kernel start plus these two take a few seconds, all twelve about a
+    minute and a half (the site's build runs every tutorial cell by cell: docs/hooks.py).
+    """
+    jupytext = pytest.importorskip("jupytext", reason="pip install jupytext nbclient ipykernel")
+    nbclient = pytest.importorskip("nbclient", reason="pip install jupytext nbclient ipykernel")
+    pytest.importorskip("ipykernel", reason="pip install jupytext nbclient ipykernel")
+    monkeypatch.delenv("REFIMPL_TUTORIAL_SOLUTIONS", raising=False)  # the student's view: exercises unfilled
+    notebook = jupytext.read(path)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert len(code) == path.read_text().count("\n# %%\n") + (path.read_text().startswith("# %%\n"))
+    last = code[-1].outputs
+    printed = "".join(o.get("text", "") for o in last if o.output_type == "stream")
+    n = len(exercises_of(path)[1])
+    assert f"{path.stem}: 0 of {n} exercises correct" in printed
+    assert not [o for o in last if o.output_type == "execute_result"], "the last cell echoes summary()'s bool"
