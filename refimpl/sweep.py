@@ -5,6 +5,7 @@ user's sweep and CI check the same things: every ZeRO stage (0-3), built-in and 
 naive and bucketed DDP, gradient accumulation, AdamW and SGD, clipping on and off, the GPT with
 dropout and activation checkpointing that really recomputes (at least 4 blocks; every:K, sqrt,
 revolve), the MLP, and, where the world size allows, every pipeline schedule on a dp × pp mesh
+(`verify --sweep N --schedule NAME`: only pipelines of that schedule, a schedule of your own included)
 (with every ZeRO stage and checkpointing inside the stages), and tensor parallelism (tp 2 or 4,
 with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
 stage, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
@@ -26,37 +27,55 @@ import numpy as np
 SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--steps", "2", "--dtype", "float64"]
 
 
-def _schedule_options(world_size: int) -> list:
-    """(schedule, pp, [valid micro-batch counts], stages) that build for a pp dividing world_size."""
-    from refimpl.parallel.pipeline import SCHEDULES, build  # noqa: PLC0415
+def schedule_options(world_size: int, names=None) -> list:
+    """(schedule, pp, [valid micro-batch counts], stages) that build for a pp dividing world_size.
+
+    `names`: these schedules only (built-in names or MODULE:FUNCTION; default every built-in one).
+    A micro-batch count for which a generator raises ValueError is not drawn; for a schedule of your
+    own, a result that the validator (or the executor's receive policy) rejects is an error (a
+    generator must refuse what it cannot build, not return something wrong), and so is a schedule
+    that builds for no (pp, micro-batches).
+    """
+    from refimpl.parallel.pipeline import SCHEDULES, ScheduleError, build  # noqa: PLC0415
+    from refimpl.parallel.pipeline.schedules import build_executable  # noqa: PLC0415
 
     options = []
     for pp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
-        for name in SCHEDULES:
-            valid = []
+        for name in names or SCHEDULES:
+            valid, refused = [], None
             for m in range(1, 2 * max(pp, 2) + 3):
                 try:
-                    valid.append((m, build(name, pp, m).num_stages))
-                except ValueError:
-                    pass
+                    built = build(name, pp, m) if name in SCHEDULES else build_executable(name, pp, m)
+                    valid.append((m, built.num_stages))
+                except ScheduleError:
+                    if name not in SCHEDULES:
+                        raise
+                except ValueError as exc:
+                    refused = exc
             if valid:
                 options.append((name, pp, [m for m, _ in valid], valid[0][1]))
+    if names and not options:
+        raise ValueError(f"--sweep --schedule {' '.join(names)}: builds for no pp dividing {world_size} ranks and "
+                         f"micro-batches 1 to {2 * max(world_size, 2) + 2}"
+                         + (f"; it says: {refused}" if refused else ""))
     return options
 
 
-def draw_flags(world_size: int, choose, pipeline: bool = True) -> list:
+def draw_flags(world_size: int, choose, pipeline: bool = True, schedules=None) -> list:
     """One configuration for `world_size` ranks, as verify flags; choose(name, options) picks one option.
 
     pipeline=False draws only configurations that use the whole world as one data-parallel group
-    (verify --sweep --trainer: a trainer of your own gets those).
+    (verify --sweep --trainer: a trainer of your own gets those). `schedules` (a list of names,
+    MODULE:FUNCTION included: verify --sweep --schedule) draws only pipeline configurations, of those
+    schedules.
     """
     model = choose("model", ["gpt", "mlp"])
     flags = ["--model", model, *SMALL,
              "--optimizer", choose("optimizer", ["adamw", "sgd"]),
              "--clip", choose("clip", [0.0, 0.05, 1.0]),
              "--collectives", choose("collectives", ["mpi", "ring"])]
-    if pipeline and choose("pipeline", [False, True]):
-        name, pp, micro_batches, stages = choose("schedule", _schedule_options(world_size))
+    if schedules or (pipeline and choose("pipeline", [False, True])):
+        name, pp, micro_batches, stages = choose("schedule", schedule_options(world_size, schedules))
         m = choose("micro_batches", micro_batches)
         layers_per_stage = choose("layers_per_stage", [1, 2])
         n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer

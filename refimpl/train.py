@@ -118,6 +118,7 @@ class TrainConfig:
             raise ValueError(f"--pp and --micro-batches must be positive, got {self.pp} and {self.micro_batches}")
         self.check_tensor_parallel()
         self.check_experts()
+        self.check_own_schedule()
         if self.checkpoint != "none":
             from refimpl.checkpointing import parse_plan  # noqa: PLC0415
 
@@ -135,6 +136,15 @@ class TrainConfig:
             backend.check_dtype(self.dtype)
         if self.dtype == "float16":
             raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
+
+    def check_own_schedule(self) -> None:
+        """--schedule MODULE:FUNCTION: load it, build it for this run, validate it and check that the
+        executor can run it, now, on every rank, before anything trains (the one-line errors:
+        refimpl/parallel/pipeline/schedules/__init__.py)."""
+        from refimpl.parallel.pipeline.schedules import build_executable, is_plugin  # noqa: PLC0415
+
+        if is_plugin(self.schedule):
+            build_executable(self.schedule, self.pp, self.micro_batches or 2 * self.pp, self.chunks)
 
     def check_experts(self) -> None:
         """--experts, --top-k, --moe-every, --capacity-factor, --aux-coef and --ep: one line each."""

@@ -33,12 +33,8 @@ is refimpl/commands/verify.py.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -48,6 +44,7 @@ from refimpl.compare_mixed import compare_mixed_step, mixed_tolerance, partial_g
 from refimpl.agreement import check_same_run
 from refimpl.console import log
 from refimpl.parallel import watchdog
+from refimpl.plugin import load_function
 from refimpl.trainer_protocol import Verifiable, missing
 from refimpl.train import LocalTrainer, build_model, build_optimizer, build_task, make_trainer
 
@@ -55,29 +52,10 @@ from refimpl.train import LocalTrainer, build_model, build_optimizer, build_task
 # -- the trainer under test ----------------------------------------------------------------------
 
 def load_trainer_factory(spec: str):
-    """FUNCTION from 'package.module:FUNCTION' or 'path/to/file.py:FUNCTION' (a clear error otherwise)."""
-    module_name, sep, function = spec.rpartition(":")
-    if not sep or not module_name or not function:
-        raise ValueError(f"--trainer {spec!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION, e.g. "
-                         f"docs/examples/flat_allreduce_trainer.py:make_trainer")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ValueError(f"--trainer {spec!r}: no file {module_name}")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            sys.path.insert(0, ".")  # a module in the working directory, as `python -m` would find it
-            module = importlib.import_module(module_name)
-    except ValueError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see, in one line
-        raise ValueError(f"--trainer {spec!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from None
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise ValueError(f"--trainer {spec!r}: {module_name} has no function {function!r}")
+    """FUNCTION from 'package.module:FUNCTION' or 'path/to/file.py:FUNCTION' (a clear error otherwise;
+    the loader is refimpl/plugin.py's, shared with --schedule)."""
+    factory = load_function(spec, "--trainer", "docs/examples/flat_allreduce_trainer.py:make_trainer")
+    function = spec.rpartition(":")[2]
     try:
         inspect.signature(factory).bind("cfg", "model", "world")
     except TypeError:

@@ -5,6 +5,12 @@
     python -m refimpl schedule zbv --pp 4 --micro-batches 8 --costs F=1,I=1,W=1 --json
     python -m refimpl schedule --compare --pp 4 --micro-batches 16 --markdown
     python -m refimpl schedule interleaved --pp 4 --micro-batches 8 --chunks 2 --program
+    python -m refimpl schedule docs/examples/my_schedule.py:early_backward --pp 4 --micro-batches 8
+
+A schedule of your own is named MODULE:FUNCTION or FILE.py:FUNCTION (a generator like the built-in
+ones; refimpl/parallel/pipeline/schedules/__init__.py, docs/capstone.md): it is built, validated,
+simulated and drawn like them; there is no closed form to show beside it, so the report compares
+it with 1F1B at the same pp, micro-batches and costs instead, and `--compare` adds it as a row.
 
 Costs. `--costs` are the times of one forward / backward / ... of one rank's share of the model
 (1/pp of it), so that the schedules can be compared on the same model. A schedule that cuts the
@@ -27,15 +33,26 @@ from refimpl.console import emit_json, log
 from refimpl.parallel.pipeline.actions import Overlapped, Schedule, format_rank
 from refimpl.parallel.pipeline.formulas import ClosedForm, closed_form
 from refimpl.parallel.pipeline.render import render_png, render_svg, render_text, render_trace
-from refimpl.parallel.pipeline.schedules import SCHEDULES, build
+from refimpl.parallel.pipeline.schedules import EXAMPLE, SCHEDULES, build, is_plugin
 from refimpl.parallel.pipeline.simulate import Costs, Timeline, simulate
 from refimpl.parallel.pipeline.validate import Report, validate
 
 
+def schedule_name(text: str) -> str:
+    """argparse `type` of a schedule's name (here, train and verify): a built-in name, or MODULE:FUNCTION
+    of your own (loaded and checked later, when it is built)."""
+    if text in SCHEDULES or is_plugin(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {', '.join(SCHEDULES)}, or MODULE:FUNCTION / FILE.py:FUNCTION "
+        f"for a schedule of your own, e.g. {EXAMPLE})")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = list(SCHEDULES)
-    parser.add_argument("name", nargs="?", choices=names, metavar="NAME", help=f"schedule: {', '.join(names)}")
-    parser.add_argument("--schedule", choices=names, help="the schedule (same as NAME)")
+    parser.add_argument("name", nargs="?", type=schedule_name, metavar="NAME",
+                        help=f"schedule: {', '.join(names)}, or MODULE:FUNCTION (FILE.py:FUNCTION) of your own")
+    parser.add_argument("--schedule", type=schedule_name, help="the schedule (same as NAME)")
     parser.add_argument("--pp", type=int, required=True, help="number of pipeline ranks")
     parser.add_argument("--micro-batches", type=int, required=True, help="micro-batches per iteration")
     parser.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
@@ -87,8 +104,23 @@ def analyse(name: str, pp: int, m: int, chunks, costs: Costs, per_action: bool, 
     report = validate(schedule)
     action_costs = scaled_costs(schedule, costs, per_action)
     timeline = simulate(schedule, action_costs, latency)
-    closed = closed_form(schedule, action_costs, latency)
+    closed = closed_form(schedule, action_costs, latency) if not is_plugin(name) else own_form(pp, m, costs, latency)
     return schedule, report, timeline, closed
+
+
+OWN = "1F1B, simulated"  # the ClosedForm.formula of a schedule of your own (its baseline)
+
+
+def own_form(pp: int, m: int, costs: Costs, latency) -> ClosedForm:
+    """A schedule of your own has no published closed form: 1F1B's simulated figures stand beside it."""
+    base = build("1f1b", pp, m)
+    timeline = simulate(base, costs, latency)
+    idle = max(timeline.idle)
+    note = (f"a schedule of your own: no closed form; compared with 1F1B simulated at the same pp, micro-batches and "
+            f"costs (makespan {_fmt(timeline.makespan)}, bubble fraction {float(timeline.bubble_fraction):.4f}, "
+            f"peak activations {timeline.peak_activations})")
+    return ClosedForm(OWN, idle, "iteration", False, note, idle, timeline.bubble_fraction,
+                      list(timeline.peak_activations))
 
 
 def summary(schedule: Schedule, report: Report, timeline: Timeline, closed: ClosedForm) -> dict:
@@ -137,7 +169,8 @@ def summary(schedule: Schedule, report: Report, timeline: Timeline, closed: Clos
 
 def rank_table(schedule: Schedule, timeline: Timeline, closed: ClosedForm, markdown: bool) -> str:
     simulated_key = "steady-state idle" if closed.accounting == "steady-state" else "idle"
-    header = ["rank", "stages", "busy", "idle", "steady-state idle", f"closed form ({simulated_key})", "peak act. (free at W)", "peak act. (free at I)"]
+    baseline = "1F1B idle" if closed.formula == OWN else f"closed form ({simulated_key})"
+    header = ["rank", "stages", "busy", "idle", "steady-state idle", baseline, "peak act. (free at W)", "peak act. (free at I)"]
     rows = []
     for r in range(schedule.pp):
         rows.append(
@@ -147,7 +180,7 @@ def rank_table(schedule: Schedule, timeline: Timeline, closed: ClosedForm, markd
                 _fmt(timeline.busy[r]),
                 _fmt(timeline.idle[r]),
                 _fmt(timeline.steady_state_idle[r]),
-                _fmt(closed.idle) + ("" if closed.exact else " ~"),
+                _fmt(closed.idle) + ("" if closed.exact or closed.formula == OWN else " ~"),
                 str(timeline.peak_activations[r]),
                 str(timeline.peak_freed_at_i[r]),
             ]
@@ -181,6 +214,22 @@ def describe(
         grid = render_text(timeline)
         lines += [f"```\n{grid}\n```" if markdown else grid, ""]
     bullet = "- " if markdown else ""
+    if closed.formula == OWN:  # a schedule of your own: beside 1F1B rather than a published formula
+        ours = max(timeline.idle)
+        lines += [
+            rank_table(schedule, timeline, closed, markdown),
+            "",
+            f"{bullet}makespan {_fmt(timeline.makespan)}, bubble fraction {float(timeline.bubble_fraction):.4f} "
+            f"(1F1B: {float(closed.bubble_fraction):.4f}); idle per rank at most {_fmt(ours)} (1F1B: "
+            f"{_fmt(closed.idle)}); peak activations {timeline.peak_activations} (1F1B: {closed.peak_activations})",
+            f"{bullet}{closed.note}",
+            f"{bullet}validated: {report.actions} actions, {report.messages} messages; rendezvous run completes with "
+            f"receives pre-posted {report.rendezvous_lookahead} step(s) ahead"
+            + ("; or with one receive per (source, kind) channel (the executor's policy: it can run over MPI)"
+               if report.per_channel_ok else "; NOT with one receive per (source, kind) channel: the executor "
+               "(train, verify) cannot run it"),
+        ]
+        return "\n".join(lines)
     lines += [
         rank_table(schedule, timeline, closed, markdown),
         "",
@@ -206,8 +255,9 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
         "closed form", "peak act.", "act. memory", "params", "lookahead",
     ]
     rows, results = [], []
-    for name in SCHEDULES:
-        chunks = args.chunks if name == "interleaved" else None
+    own = [n for n in (args.name, args.schedule) if n and is_plugin(n)]
+    for name in [*SCHEDULES, *dict.fromkeys(own)]:
+        chunks = args.chunks if name == "interleaved" or is_plugin(name) else None
         try:
             schedule, report, timeline, closed = analyse(name, args.pp, args.micro_batches, chunks, costs, args.costs_per_action, args.latency)
         except ValueError as exc:
@@ -226,6 +276,7 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
                 f"{float(timeline.bubble_fraction):.3f}",
                 ",".join(_fmt(x) for x in timeline.idle) if len(idle) > 1 else _fmt(idle[0]),
                 ",".join(_fmt(x) for x in timeline.steady_state_idle) if len(steady) > 1 else _fmt(steady[0]),
+                f"1F1B: {_fmt(closed.idle)}" if closed.formula == OWN else
                 f"{_fmt(closed.idle)} {'(' + closed.accounting + ')' if closed.accounting != 'iteration' else ''}".strip()
                 + ("" if closed.exact else " ~"),
                 str(max(timeline.peak_activations)),
@@ -312,4 +363,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "run", "action_json", "summary"]
+__all__ = ["add_arguments", "run", "schedule_name", "action_json", "summary"]

@@ -19,7 +19,7 @@ from refimpl import backend
 from refimpl.console import emit_json, log
 from refimpl.memory import parse_bytes
 from refimpl.optim import OPTIMIZERS
-from refimpl.parallel.pipeline.schedules import SCHEDULES
+from refimpl.commands.schedule import schedule_name
 from refimpl.train import DEFAULTS, TrainConfig, TrainingDiverged, get_world, train
 
 
@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data parallelism: overlapped bucket all-reduces, or one all-reduce per gradient")
     p.add_argument("--bucket-bytes", type=int, default=1 << 20, help="gradient bucket size in bytes (default 1 MiB)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks; data parallel = world size / pp")
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), help="pipeline schedule (default 1f1b when --pp > 1)")
+    p.add_argument("--schedule", type=schedule_name, metavar="NAME",
+                   help="pipeline schedule: gpipe, 1f1b, interleaved, zb1p, zbh2, zbv, dualpipe, dualpipev, or one of "
+                        "your own as MODULE:FUNCTION or FILE.py:FUNCTION (docs/capstone.md) (default 1f1b when --pp > 1)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step and replica (default 2 x pp)")
     p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved only; default 2)")
     p.add_argument("--action-costs", metavar="F=0.02,I=0.02,W=0.02",

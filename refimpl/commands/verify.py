@@ -11,6 +11,9 @@ compared, and at which tolerance, is refimpl/verify.py's (verify_config).
 
 --sweep N draws N configurations valid for this world size (refimpl/sweep.py) and verifies each;
 --trainer module:function verifies a trainer of your own (docs/verify_your_algorithm.md).
+--schedule module:function (or file.py:function) runs a pipeline schedule of your own, like a
+built-in one (docs/capstone.md); with --sweep N, --schedule NAME (built-in or your own) makes every
+drawn configuration a pipeline of that schedule (pp, micro-batches, ZeRO, tp... still drawn).
 
 It exits 1 when the check fails, and every rank exits with the same status. `--json` prints one
 object with ok, max_abs_diff, max_rel_diff, steps, world_size, tolerance_used (the largest
@@ -29,7 +32,8 @@ import numpy as np
 from refimpl import backend
 from refimpl.commands.train import add_arguments as add_train_arguments, config_from_args
 from refimpl.console import emit_json, log
-from refimpl.sweep import draw_flags, numpy_chooser
+from refimpl.parallel.pipeline.schedules import is_plugin, load_generator
+from refimpl.sweep import schedule_options, draw_flags, numpy_chooser
 from refimpl.train import get_world
 from refimpl.verify import load_trainer_factory, verify_config
 
@@ -58,6 +62,11 @@ def check(args) -> None:
         raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
     if args.trainer:
         load_trainer_factory(args.trainer)
+    if args.sweep is not None and args.schedule is not None:
+        if args.trainer:
+            raise ValueError("--sweep --trainer draws data-parallel configurations only; drop --schedule, or --trainer")
+        if is_plugin(args.schedule):
+            load_generator(args.schedule)  # a missing module or function: one line, before the sweep starts
     if args.sweep is None:
         config_from_args(args).check()
 
@@ -119,11 +128,15 @@ def run_sweep(args) -> int:
     seed = args.sweep_seed if args.sweep_seed is not None else int(np.random.SeedSequence().entropy % 2 ** 32)
     seed = world.bcast_object(seed)  # one sweep: every rank draws the same configurations
     rng = np.random.default_rng(seed)
+    if args.schedule is not None:  # every rank builds the same options: the same error everywhere, or none
+        schedule_options(world.size, [args.schedule])
     if world.rank == 0:
-        log(f"verify --sweep {args.sweep} on {world.size} process(es), seed {seed} (replay: --sweep-seed {seed})")
+        log(f"verify --sweep {args.sweep} on {world.size} process(es), seed {seed} (replay: --sweep-seed {seed})"
+            + (f", pipelines of --schedule {args.schedule}" if args.schedule else ""))
     results = []
     for i in range(args.sweep):
-        flags = draw_flags(world.size, numpy_chooser(rng), pipeline=factory is None)
+        flags = draw_flags(world.size, numpy_chooser(rng), pipeline=factory is None,
+                           schedules=[args.schedule] if args.schedule else None)
         result = verify_flags(world, flags, factory)
         if world.rank == 0:
             line = f"[{i + 1}/{args.sweep}] {'PASS' if result['ok'] else 'FAIL'} tolerance used " \
