@@ -14,7 +14,7 @@ arrive, and the W's last, where they fill what would have been idle time.
 Targets (docs/capstone.md checks them, and so does tests/test_schedule_plugin.py): at pp=4,
 8 micro-batches, F = I = W = 1 (B = 2),
 
-    bubble     less than 1F1B's (0.2727): idle per rank (p-1)(F+I) + ... below (p-1)(F+B)
+    bubble     less than 1F1B's: 0.2500 vs 0.2727 (idle per rank (p-1)(F+B) - W = 8 vs 9)
     memory     peak activations per rank no more than 1F1B's (p - r on rank r)
 """
 
