@@ -285,6 +285,8 @@ def _pipeline(cfg, rank: int, world_size: int) -> tuple[int, int, int]:
 
         try:
             schedule = build(cfg.schedule or "1f1b", pp, M, cfg.chunks)
+            if world_size % pp:
+                raise ValueError("the world does not divide into pp stages")
         except ValueError:
             pass  # the trainer will say what is wrong; bound it meanwhile
         else:

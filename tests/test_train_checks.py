@@ -79,3 +79,11 @@ def test_zero_still_means_off():
     TrainConfig(clip=0.0, weight_decay=0.0, dropout=0.0, seed=0).check()
     TrainConfig(model="mlp", clip=0.0, dropout=0.0, lr=1e-2).check()
     TrainConfig(dropout=0.999, clip=1e9, weight_decay=10.0, lr=1e3).check()  # odd, but finite and in range
+
+
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_a_pipeline_on_one_process_says_to_launch_more(command, capsys):
+    # The memory check ran first and divided by world_size // pp = 0 (a traceback) before the mesh could say this.
+    assert cli.main([command, "--pp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not divide the world size 1" in err and len(err.splitlines()) == 1, err
