@@ -8,12 +8,14 @@
 # Every algorithm in refimpl (data parallelism, ZeRO, checkpointing, pipelines) is built on a
 # reverse-mode automatic-differentiation engine. In this tutorial you
 #
-# 1. write a tiny one in about forty lines and check it against finite differences;
+# 1. build a tiny one in about forty lines, check it against finite differences and measure its
+#    flaw (exercise 4 removes it);
 # 2. meet refimpl's engine (`refimpl/autograd/`): `Tensor`, `Function`, the saved-tensor ledger;
 # 3. split a backward pass into its input-gradient half **I** and weight-gradient half **W**, the
 #    trick that zero-bubble pipelines (tutorial 08) are built on.
 #
-# Then you write three pieces of an engine yourself, and checks compare them with refimpl's.
+# Then you write four pieces of an engine yourself, the last one the reverse sweep of part 1's
+# engine, and checks compare them with refimpl's.
 
 # %%
 import numpy as np
@@ -34,7 +36,11 @@ np.set_printoptions(precision=4, suppress=True)
 # - to **sum** the gradients that reach a value along several paths.
 #
 # `Var` below is an array that remembers its parents and a function from its own gradient to its
-# parents' gradients.
+# parents' gradients. The `backward` below does the first and the third, and skips the second: it
+# pushes each path's contribution down to the leaves as soon as it has it, so an operation runs
+# once per *path* from the loss to it rather than once. The sums are right (the chain rule is
+# linear in g), and part 1 ends by counting what that costs; exercise 4 is the engine that visits
+# each operation once.
 
 # %%
 class Var:
@@ -69,23 +75,15 @@ def total(a):
 
 
 def backward(loss):
-    """Fill .grad of every Var that loss depends on."""
-    order, seen = [], set()
+    """Fill .grad of every Var that loss depends on, path by path."""
 
-    def visit(v):  # depth-first: a Var is appended after everything it was computed from
-        if id(v) not in seen:
-            seen.add(id(v))
-            for p in v.parents:
-                visit(p)
-            order.append(v)
+    def push(v, g):  # g: one path's contribution to dL/dv
+        v.grad = g if v.grad is None else v.grad + g  # sum over paths
+        if v.grad_fn is not None:
+            for parent, gp in zip(v.parents, v.grad_fn(g)):
+                push(parent, gp)
 
-    visit(loss)
-    loss.grad = np.ones_like(loss.data)
-    for v in reversed(order):  # every user of v comes later in `order`, so v.grad is complete
-        if v.grad_fn is None:
-            continue
-        for parent, g in zip(v.parents, v.grad_fn(v.grad)):
-            parent.grad = g if parent.grad is None else parent.grad + g  # sum over paths
+    push(loss, np.ones_like(loss.data))
 
 
 # %% [markdown]
@@ -130,6 +128,30 @@ def finite_differences(f, array, eps=1e-6):
 numeric = finite_differences(lambda: tiny_loss(Var(x_data), Var(w1_data), Var(w2_data)).data, w1_data)
 print("largest |engine - finite differences| for W1:", np.abs(w1.grad - numeric).max())
 assert np.allclose(w1.grad, numeric, rtol=1e-6, atol=1e-7)
+
+# %% [markdown]
+# The price of going path by path. Each `add(a, a)` below doubles the number of paths from the
+# loss to `x`, so for a chain of k of them this `backward` runs the additions' gradient functions
+# 1 + 2 + … + 2^(k−1) = 2^k − 1 times, where the forward ran each addition once:
+
+# %%
+calls = {"n": 0}
+
+
+def counted_add(a, b):  # add, counting how often its gradient function runs
+    def grad_fn(g):
+        calls["n"] += 1
+        return g, g
+    return Var(a.data + b.data, (a, b), grad_fn)
+
+
+for k in (4, 8, 12):
+    calls["n"] = 0
+    v = xk = Var(np.ones(3))
+    for _ in range(k):
+        v = counted_add(v, v)
+    backward(total(v))
+    print(f"k = {k:2d}: {k} additions, their gradient functions ran {calls['n']} times; dL/dx = {xk.grad[0]:.0f}")
 
 # %% [markdown]
 # ## 2. refimpl's engine
@@ -221,6 +243,15 @@ print("I then W equals B bit for bit:",
 assert all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b), (w2_i, w2_b)])
 
 # %% [markdown]
+# **Question (measure and explain).** Exercise 1's sigmoid could also be composed from refimpl's
+# operations, `1 / (1 + (-t).exp())`. For `t` of shape (100, 10), float64, read
+# `saved_tensors.live_bytes` after the forward of the composed sigmoid and after the forward of a
+# `Function` that computes it in one step with exercise 1's backward (as exercise 1's check does).
+# Account for every array in the composed count (which operation saved it, and why its backward
+# needs it), derive why the fused one can save its output and nothing else, name one activation
+# function for which that is impossible, and say what this means for the activation memory of a
+# deep network.
+#
 # ## Exercises
 #
 # Fill in each function's body, then run the cell after it: the check compares your function with
@@ -239,10 +270,20 @@ assert all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b),
 # Tensor, return the list of every `Function` in its graph (start at `loss.grad_fn`; a node's inputs
 # are `node.inputs`, and an input Tensor `t` was produced by `t.grad_fn`, `None` for leaves and
 # constants), each node once, and each node before the nodes that produced its inputs.
+#
+# **Exercise 4.** `backward_once(loss)`: part 1's engine without its flaw. Given the loss `Var` of
+# part 1's engine (attributes `data`, `parents`, `grad_fn`, `grad`), fill the `.grad` of every Var
+# it depends on, as part 1's `backward` does, but run each operation's `grad_fn` exactly once.
+# Work out when a Var's gradient is complete and in which order that lets you visit them; the
+# check runs your function on four expressions built with part 1's operations (a Var that is both
+# inputs of one operation, two paths of different lengths to one Var, part 1's two-layer loss, a
+# chain of doublings), compares the leaves' gradients with refimpl's engine and counts the
+# `grad_fn` calls.
 
 # %%
 from harness import Exercises
-from harness.autograd import check_linear_backward, check_sigmoid_backward, check_topological_order
+from harness.autograd import (check_backward_once, check_linear_backward, check_sigmoid_backward,
+                              check_topological_order)
 
 ex = Exercises("01_autograd")
 
@@ -262,8 +303,14 @@ def topological_order(loss):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def backward_once(loss):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_sigmoid_backward, sigmoid_backward)
 ex.check(2, check_linear_backward, linear_backward)
 ex.check(3, check_topological_order, topological_order)
+ex.check(4, check_backward_once, backward_once)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

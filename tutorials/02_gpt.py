@@ -165,6 +165,14 @@ print({b: f"{v:,} bytes" for b, v in peaks.items()}, "ratio", peaks[16] / peaks[
 assert peaks[16] == 2 * peaks[8]
 
 # %% [markdown]
+# **Question (measure and explain).** Doubling the batch doubles the saved activations. Does
+# doubling the sequence length? Build part 2's model (2 blocks, 4 heads, `d_model` 32, float32)
+# with `seq_len` 8, 16, 32, 64 and 128, measure the ledger's peak over the forward at batch 4, and
+# fit the bytes per token as a + b·T. Explain b (which saved arrays grow with T², and why backward
+# needs them) and a (measure with 1, 2 and 4 blocks to separate what each block saves), say how a
+# and b scale with `n_layer`, `d_model` and `n_head`, and find the T at which a block's T² part
+# equals the rest. What does that predict for a model with `d_model` 4096 and 32 heads?
+#
 # ## Exercises
 #
 # **Exercise 1.** `attention(q, k, v)`: causal attention for arrays of shape (B, H, T, D): scores
@@ -180,10 +188,16 @@ assert peaks[16] == 2 * peaks[8]
 # **Exercise 3.** `cross_entropy(logits, targets)`: for logits (B, T, V) and integer targets
 # (B, T), the mean over the targets that are not −100 of −log softmax(logits)[target]. Make it
 # stable: subtract each row's maximum before `exp`.
+#
+# **Exercise 4.** `cross_entropy_grad(logits, targets)`: the gradient of exercise 3's loss with
+# respect to the logits, an array of shape (B, T, V), computed without the autograd engine.
+# Derive it on paper first, from −log softmax(z)[t] = −z_t + log Σ_v e^(z_v); mind the positions
+# whose target is −100 and what the mean divides by. The check compares with the gradient
+# refimpl's engine computes through `F.cross_entropy`.
 
 # %%
 from harness import Exercises
-from harness.gpt import check_attention, check_count_parameters, check_cross_entropy
+from harness.gpt import check_attention, check_count_parameters, check_cross_entropy, check_cross_entropy_grad
 
 ex = Exercises("02_gpt")
 
@@ -203,8 +217,14 @@ def cross_entropy(logits, targets, ignore_index=-100):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def cross_entropy_grad(logits, targets, ignore_index=-100):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_attention, attention)
 ex.check(2, check_count_parameters, count_parameters)
 ex.check(3, check_cross_entropy, cross_entropy)
+ex.check(4, check_cross_entropy_grad, cross_entropy_grad)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

@@ -127,6 +127,15 @@ for row in last_json(done):
 # in the last bit (MPI picks its own summation order); with these integer-valued inputs they are
 # equal. `docs/data_parallel.md` measures the ring against MPI's tuned algorithm.
 #
+# **Question (measure and explain).** With random float64 inputs the ring's sums are not those of
+# `x0 + x1 + … + x(N−1)`. Run `ring.allreduce` with `run_ring` on 4 ranks of 1000 random normal
+# numbers each and measure (a) whether the four ranks end with the same bits, and (b) in how many
+# elements, in which blocks and by how much the result differs from `((x0 + x1) + x2) + x3`.
+# Explain both from the order in which the reduce-scatter adds each block's contributions (which
+# block comes out bit-identical to the reference, and why?), and say what (a) and (b) mean for
+# data parallelism: for the ranks' weights, and for how `verify` must compare a distributed run
+# with one process.
+#
 # ## Exercises
 #
 # Write the two halves as generators with the same interface as `ring.py`'s: `link.rank`,
@@ -147,12 +156,20 @@ for row in last_json(done):
 # **Exercise 3.** `allreduce_bytes(length, size, rank, itemsize)`: the bytes rank `rank` sends in
 # a ring all-reduce of `length` elements (zero for one rank).
 #
+# **Exercise 4.** `bottleneck_bytes(length, size, itemsize)`: an all-reduce ends when its busiest
+# rank has sent everything. Return the most bytes that any one rank sends in a ring all-reduce of
+# `length` elements over `size` ranks, as a closed form in `length // size` and `length % size`,
+# without a loop over the ranks (the check asks about rings of a million ranks). Work out which
+# ranks are busiest for every remainder, including L < N. The check compares with the bytes the
+# simulated ring measures and with `ring.bytes_sent` over every rank.
+#
 # Once exercises 1 and 2 pass, your generators would run unchanged under `mpiexec`: comm.py's
 # `_RingLink` has the same methods as the simulated link.
 
 # %%
 from harness import Exercises
-from harness.collectives import check_allreduce_bytes, check_ring_allgather, check_ring_reduce_scatter
+from harness.collectives import (check_allreduce_bytes, check_bottleneck_bytes, check_ring_allgather,
+                                 check_ring_reduce_scatter)
 
 ex = Exercises("03_collectives")
 
@@ -172,8 +189,14 @@ def allreduce_bytes(length, size, rank, itemsize):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def bottleneck_bytes(length, size, itemsize):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_ring_allgather, ring_allgather)
 ex.check(2, check_ring_reduce_scatter, ring_reduce_scatter)
 ex.check(3, check_allreduce_bytes, allreduce_bytes)
+ex.check(4, check_bottleneck_bytes, bottleneck_bytes)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

@@ -152,6 +152,13 @@ for mode, extra in [("naive", []), ("bucketed", ["--bucket-bytes", "4096"])]:
 # all-reduce time buckets hide is measured by `benchmarks/bench_ddp.py` (see
 # `docs/data_parallel.md`).
 #
+# **Question (measure and explain).** Rerun part 4's two `verify` commands and read
+# `bytes_sent` for all three ranks, then once more bucketed with `--grad-accum 2`. (a) Show that
+# the bytes summed over the ranks are the same in both modes and derive that sum from Ψ, N and the
+# steps. (b) Explain why the ranks' own bytes differ, which rank sends the most in each mode and
+# why naive spreads them less evenly than bucketed. (c) Explain what `--grad-accum 2` changes in
+# the counters and why, and what buckets change if not the bytes.
+#
 # ## Exercises
 #
 # **Exercise 1.** `rank_micro_batches(x, y, world_size, rank, grad_accum)`: the list of
@@ -170,10 +177,19 @@ for mode, extra in [("naive", []), ("bucketed", ["--bucket-bytes", "4096"])]:
 # than that gets a bucket of its own). The check compares with `assign_buckets` in
 # `refimpl/parallel/data_parallel.py` (the rule DDP's `_Buckets` and ZeRO's groups use), also at
 # sizes that the model's last parameters fill exactly.
+#
+# **Exercise 4.** `bucketed_bytes(param_numels, itemsize, world_size, rank, bucket_bytes)`: the
+# bytes that rank `rank` sends in one step's gradient all-reduces with bucketed data parallelism
+# over the ring of tutorial 03 (the loss's all-reduce not included). `param_numels` are the
+# parameters' element counts in the model's order and `itemsize` the gradients' bytes per element.
+# Derive it from what the ring does with each buffer it is given; you may call your
+# `assign_buckets`. The check compares with the bytes of every rank for several models, bucket
+# sizes and 1 to 4 ranks.
 
 # %%
 from harness import Exercises
-from harness.data_parallel import check_assign_buckets, check_local_loss, check_rank_micro_batches
+from harness.data_parallel import (check_assign_buckets, check_bucketed_bytes, check_local_loss,
+                                   check_rank_micro_batches)
 
 ex = Exercises("04_data_parallel")
 
@@ -193,8 +209,14 @@ def assign_buckets(param_bytes, bucket_bytes):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def bucketed_bytes(param_numels, itemsize, world_size, rank, bucket_bytes):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_rank_micro_batches, rank_micro_batches)
 ex.check(2, check_local_loss, local_loss)
 ex.check(3, check_assign_buckets, assign_buckets)
+ex.check(4, check_bucketed_bytes, bucketed_bytes)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

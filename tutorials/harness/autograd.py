@@ -86,3 +86,127 @@ def check_topological_order(topological_order) -> None:
                 raise Wrong(f"{t.grad_fn.name} produced an input of {node.name} but comes before it: "
                             f"a node's gradient is complete only after every node that uses it has run "
                             f"(your order: {names(order)})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Exercise 4: the reverse sweep of part 1's engine, each operation once
+# ------------------------------------------------------------------------------------------------
+
+class _Var:
+    """Part 1's Var: data, parents, grad_fn (own gradient -> parents' gradients), grad."""
+
+    def __init__(self, data, parents=(), grad_fn=None, name=""):
+        self.data = np.asarray(data, dtype=np.float64)
+        self.parents = parents
+        self.grad_fn = grad_fn
+        self.grad = None
+        self.name = name
+
+
+class _TinyOps:
+    """Part 1's operations on _Var, each counting how often its gradient function runs."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    def _make(self, name, data, parents, grad):
+        self.calls[name] = 0
+
+        def grad_fn(g):
+            self.calls[name] += 1
+            return grad(g)
+        return _Var(data, parents, grad_fn, name)
+
+    def add(self, a, b, name):
+        return self._make(name, a.data + b.data, (a, b), lambda g: (g, g))
+
+    def mul(self, a, b, name):
+        return self._make(name, a.data * b.data, (a, b), lambda g: (g * b.data, g * a.data))
+
+    def matmul(self, a, b, name):
+        return self._make(name, a.data @ b.data, (a, b), lambda g: (g @ b.data.T, a.data.T @ g))
+
+    def tanh(self, a, name):
+        y = np.tanh(a.data)
+        return self._make(name, y, (a,), lambda g: (g * (1 - y * y),))
+
+    def total(self, a, name):
+        return self._make(name, a.data.sum(), (a,), lambda g: (np.full(a.data.shape, g),))
+
+
+class _RefOps:
+    """The same operations on refimpl's Tensors."""
+
+    add = staticmethod(lambda a, b, name: a + b)
+    mul = staticmethod(lambda a, b, name: a * b)
+    matmul = staticmethod(lambda a, b, name: a @ b)
+    tanh = staticmethod(lambda a, name: a.tanh())
+    total = staticmethod(lambda a, name: a.sum())
+
+
+def _square(o, x):
+    """L = Σ tanh(x)·tanh(x): one Var is both parents of one operation."""
+    t = o.tanh(x["x"], "t = tanh(x)")
+    return o.total(o.mul(t, t, "t * t"), "sum")
+
+
+def _long_and_short(o, x):
+    """L = Σ (tanh(tanh(tanh(a))) + a), a = tanh(x): two paths of different lengths reach a."""
+    a = o.tanh(x["x"], "a = tanh(x)")
+    b = o.tanh(o.tanh(o.tanh(a, "tanh(a)"), "tanh(tanh(a))"), "tanh(tanh(tanh(a)))")
+    return o.total(o.add(b, a, "tanh(tanh(tanh(a))) + a"), "sum")
+
+
+def _two_layer(o, x):
+    """Part 1's loss: Σ h·h, h = tanh(x W1) W2."""
+    h = o.matmul(o.tanh(o.matmul(x["x"], x["w1"], "x @ w1"), "tanh(x @ w1)"), x["w2"], "h")
+    return o.total(o.mul(h, h, "h * h"), "sum")
+
+
+def _doublings(o, x, k=10):
+    """L = Σ v_k, v_{i+1} = v_i + v_i, v_0 = x·w: 2^k paths from the loss to x."""
+    v = o.mul(x["x"], x["w"], "x * w")
+    for i in range(k):
+        v = o.add(v, v, f"addition {i + 1} of {k}")
+    return o.total(v, "sum")
+
+
+_EXPRESSIONS = [
+    (_square, {"x": (3, 4)}, "a Var that is both parents of one operation receives both gradients: sum them"),
+    (_long_and_short, {"x": (2, 3)},
+     "a Var's gradient function may run only after every operation that used the Var has passed its "
+     "gradient on, i.e. in reverse topological order (a breadth-first order from the loss is not one: here "
+     "`a` is reached from the loss in one step and in four)"),
+    (_two_layer, {"x": (4, 3), "w1": (3, 5), "w2": (5, 2)}, "h is used twice by h * h: sum the two contributions"),
+    (_doublings, {"x": (3,), "w": (3,)}, "each addition passes its gradient to its input twice: sum them"),
+]
+
+
+def check_backward_once(backward_once) -> None:
+    """Check: part 1's engine, each operation once."""
+    rng = np.random.default_rng(7)
+    for build, shapes, hint in _EXPRESSIONS:
+        data = {k: rng.standard_normal(s) for k, s in shapes.items()}
+        what = (build.__doc__ or build.__name__).split(":")[0]
+        tiny = _TinyOps()
+        leaves = {k: _Var(v.copy(), name=k) for k, v in data.items()}
+        loss = build(tiny, leaves)
+        backward_once(loss)
+        ref_leaves = {k: Parameter(v.copy()) for k, v in data.items()}
+        build(_RefOps, ref_leaves).backward()
+        for k, leaf in leaves.items():
+            if leaf.grad is None:
+                raise Wrong(f"for {what}, {k}.grad is still None: every Var that the loss depends on "
+                            f"gets a gradient (start from the loss, whose gradient is 1)")
+            try:
+                expect_close(leaf.grad, ref_leaves[k].grad, f"for {what}, d loss/d {k}", rtol=1e-9, atol=1e-12)
+            except Wrong as exc:
+                raise Wrong(f"{exc} (refimpl's engine computed the expected value). Likely: {hint}") from None
+        for name, n in tiny.calls.items():
+            if n != 1:
+                total = sum(tiny.calls.values())
+                extra = (f"; {total} gradient-function calls in all for {len(tiny.calls)} operations. Running an "
+                         f"operation once per path to it is part 1's path-by-path backward")
+                raise Wrong(f"for {what}, the gradient function of `{name}` ran {n} times; an engine runs each "
+                            f"once, when the gradient of its output is complete (after all of the operation's "
+                            f"users){extra}")

@@ -177,3 +177,63 @@ def check_allreduce_bytes(allreduce_bytes) -> None:
                 if got != expected:
                     raise Wrong(f"an all-reduce of {length} float32 elements over {size} ranks: rank {rank} "
                                 f"sends {expected} bytes, you said {plain(got)}")
+
+
+def _most_bytes(length: int, size: int, itemsize: int) -> int:
+    """The most bytes one rank sends in a ring all-reduce: (2L − the smallest c_r + c_{r+1}) · itemsize."""
+    if size == 1:
+        return 0
+    counts = np.full(size, length // size, dtype=np.int64)
+    counts[:length % size] += 1
+    return int((2 * length - (counts + np.roll(counts, -1)).min()) * itemsize)
+
+
+def check_bottleneck_bytes(bottleneck_bytes) -> None:
+    """Check: the busiest rank of a ring all-reduce."""
+    cases = [(size, length) for size in range(1, 7) for length in range(0, 15)]  # measured on the simulated ring
+    cases += [(size, length) for size in (7, 8, 12, 16) for length in (size - 1, size + 1, 3 * size - 1, 1000, 1001)]
+    cases += [(1_000_000, 10**9 + 999_999), (1_000_000, 10**9 + 999_998), (1_000_000, 10**12)]
+    for size, length in cases:
+        if size <= 6:
+            measured = run_ring(ring.allreduce, [np.ones(length, dtype=np.float32) for _ in range(size)], np.add)
+            expected, how = max(measured), "measured on the simulated ring"
+        else:
+            expected, how = _most_bytes(length, size, 4), "the largest of ring.bytes_sent over the ranks"
+        got = bottleneck_bytes(length, size, 4)
+        if got == expected:
+            continue
+        message = (f"an all-reduce of {length} float32 elements over {size} ranks: the busiest rank sends "
+                   f"{expected} bytes ({how}); you said {plain(got)}")
+        mistake = _bottleneck_mistake(bottleneck_bytes)
+        if mistake:
+            message += ". " + mistake
+        raise Wrong(message)
+
+
+_PROBES = [(10, 4), (11, 4), (7, 4), (3, 4), (1000, 7), (1001, 7), (6, 3), (5, 3)]  # L mod N of every kind
+
+_MISTAKES = [
+    (lambda L, N, e: 2 * (N - 1) * -(-L // N) * e,
+     "You charged every one of the 2(N − 1) steps a largest block, but a rank sends each block at most once per "
+     "phase: all but its own in the reduce-scatter, all but its right neighbour's in the all-gather"),
+    (lambda L, N, e: 2 * (N - 1) * L * e // N,
+     "That is 2(N − 1)/N · L, the average over ranks; when N does not divide L the ranks differ, and the busiest "
+     "is the one whose own block and right neighbour's block are smallest"),
+    (lambda L, N, e: -(-2 * (N - 1) * L * e // N),
+     "That is 2(N − 1)/N · L rounded up, the average over ranks; when N does not divide L the ranks differ, and "
+     "the busiest is the one whose own block and right neighbour's block are smallest"),
+    (lambda L, N, e: (2 * L - 2 * (L // N)) * e,
+     "When L mod N = N − 1 only one block is small, so no rank owns a small block next to another small one: "
+     "then the smallest c_r + c_(r+1) is 2·(L // N) + 1"),
+]
+
+
+def _bottleneck_mistake(bottleneck_bytes) -> str:
+    """The known mistake that `bottleneck_bytes` makes on every probe, or ''."""
+    for formula, says in _MISTAKES:
+        try:
+            if all(bottleneck_bytes(L, N, 4) == formula(L, N, 4) for L, N in _PROBES):
+                return says
+        except Exception:  # noqa: BLE001 - the diagnosis is best effort
+            return ""
+    return ""

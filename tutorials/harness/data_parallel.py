@@ -80,3 +80,42 @@ def check_assign_buckets(assign_buckets) -> None:
                         f"{expected[first] if first < len(expected) else 'absent'}; you made {len(got)} buckets, "
                         f"and bucket {first} is {plain(got[first]) if first < len(got) else 'absent'}"
                         + (" (a bucket may hold exactly bucket_bytes)" if bucket_bytes in exact else ""))
+
+
+def _ring_bytes(lengths, world_size, rank, itemsize) -> int:
+    from refimpl.parallel import ring  # noqa: PLC0415
+
+    return sum(ring.bytes_sent("allreduce", n, world_size, rank, itemsize) for n in lengths)
+
+
+def check_bucketed_bytes(bucketed_bytes) -> None:
+    """Check: the bytes a rank's bucketed all-reduces send in one step."""
+    for n_layer, d_model, itemsize in [(2, 16, 8), (1, 16, 4), (2, 12, 8)]:
+        model = GPT(GPTConfig(vocab_size=11, seq_len=8, n_layer=n_layer, n_head=2, d_model=d_model))
+        numels = [p.data.size for p in model.parameters()]
+        nbytes = [n * itemsize for n in numels]
+        for bucket_bytes in (1, 1000, 4096, 10_000, 1 << 20):
+            buckets = library_assign_buckets(nbytes, bucket_bytes)
+            lengths = [sum(numels[i] for i in b) for b in buckets]
+            for world_size in (1, 2, 3, 4):
+                for rank in range(world_size):
+                    expected = _ring_bytes(lengths, world_size, rank, itemsize)
+                    got = bucketed_bytes(list(numels), itemsize, world_size, rank, bucket_bytes)
+                    if got == expected:
+                        continue
+                    where = (f"a {n_layer}-layer GPT of width {d_model} ({sum(numels)} parameters, {itemsize}-byte "
+                             f"gradients), bucket_bytes={bucket_bytes}, {world_size} ranks: rank {rank}")
+                    message = f"{where} sends {expected} bytes in its {len(buckets)} all-reduces; you said {plain(got)}"
+                    forward = library_assign_buckets(nbytes[::-1], bucket_bytes)  # buckets cut in the model's order
+                    forward_lengths = [sum(numels[len(numels) - 1 - i] for i in b) for b in forward]
+                    if got == _ring_bytes([sum(numels)], world_size, rank, itemsize):
+                        message += (". That is one all-reduce of all the gradients; each bucket is its own "
+                                    "all-reduce, cut into its own N blocks")
+                    elif world_size > 1 and got in (2 * (world_size - 1) * sum(numels) * itemsize // world_size,
+                                                    2 * (world_size - 1) * sum(lengths) * itemsize / world_size):
+                        message += (". That is 2(N − 1)/N · Ψ, the average over ranks; a bucket whose length N does "
+                                    "not divide has unequal blocks, and rank r skips blocks r and r + 1 of each")
+                    elif got == _ring_bytes(forward_lengths, world_size, rank, itemsize):
+                        message += (". Those are the buckets cut in the model's order; backward fills them from the "
+                                    "last parameter to the first (exercise 3)")
+                    raise Wrong(message)
