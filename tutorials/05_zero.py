@@ -218,6 +218,13 @@ for stage in (0, 3):
 # Data parallelism runs out while allocating its optimizer state; ZeRO-3 trains. `docs/zero.md`
 # shows all four stages under this budget, and a benchmark of the largest model each stage fits.
 #
+# **Question (measure and explain).** Part 3 chose N = 4, where no buffer needs padding. Run
+# `mpiexec -n 3 python -m refimpl memory --model gpt --precision float32 --n-layer 2 --d-model 32`
+# and the same with `-n 5`, and read the column Ψ′ − Ψ. Why does ZeRO-3 pad more than ZeRO-1 and
+# ZeRO-2, and DP not at all? Account for ZeRO-3's padding module by module (`module_units`, part 3),
+# and bound it in terms of N and the number of modules. Which formula does the ledger equal to the
+# byte? Then add `--grad-accum 2` and explain each stage's counted communication from its rule.
+#
 # ## Exercises
 #
 # **Exercise 1.** `model_state_bytes(stage, psi, n, P, G, K)`: the bytes of model states per rank
@@ -234,10 +241,16 @@ for stage in (0, 3):
 # is rank r's optimizer state for its block (made by `optimizer.init_state`). Update `params` in
 # place, each rank's block with `optimizer.update(param_block, grad_block, states[r])`. The check
 # runs three steps against AdamW on the whole buffer and requires the same bits.
+#
+# **Exercise 4.** `zero3_bytes(module_sizes, n, P, G, K)`: the bytes of model states one rank holds
+# under ZeRO-3 in refimpl, for a model whose modules own `module_sizes` parameters, when N need not
+# divide anything. Part 1's table assumes it does; derive what a rank really holds from how ZeRO-3
+# lays out its flat buffers (part 2 and part 3: what is one buffer, and how is it padded?). The
+# check compares with the blocks refimpl allocates, for two GPTs and a toy model, N from 1 to 64.
 
 # %%
 from harness import Exercises
-from harness.zero import check_model_state_bytes, check_shard_bounds, check_sharded_update
+from harness.zero import check_model_state_bytes, check_shard_bounds, check_sharded_update, check_zero3_bytes
 
 ex = Exercises("05_zero")
 
@@ -257,8 +270,14 @@ def sharded_update(optimizer, params, grads, n, states):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def zero3_bytes(module_sizes, n, P, G, K):  # noqa: N803 - the paper's names
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_model_state_bytes, model_state_bytes)
 ex.check(2, check_shard_bounds, shard_bounds)
 ex.check(3, check_sharded_update, sharded_update)
+ex.check(4, check_zero3_bytes, zero3_bytes)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

@@ -165,6 +165,14 @@ assert result["ok"]
 # zero up to rounding; the verdict compares every |diff| with atol + rtol·|reference|, and the
 # PASS line's ratio (*tolerance used*) is far below the 1 it may reach.
 #
+# **Question (measure and explain).** (a) Derive the lowest peak, in layer inputs, that any
+# `every:K` plan reaches on a chain of n TanhLayers, as a closed form in n, and check it with
+# `measure_chain` for n up to 40. Does `sqrt`'s K always reach it? Is it always the cheapest K that
+# does? Give an n where it is not, with both plans' measured costs. (b) Part 4's GPT: measure the
+# peak saved bytes of `every:1`, `every:2`, `sqrt`, `every:4` and `every:8`, estimate from them how
+# many layer inputs' worth a recorded block saves, and explain with a formula for the peak why the
+# best K here is not near √n.
+#
 # ## Exercises
 #
 # **Exercise 1.** `sqrt_cost(n)`: the pair (extra forwards, peak in layer inputs) of the `sqrt`
@@ -185,11 +193,19 @@ assert result["ok"]
 # compares its cost with refimpl's, then its actions, one by one, with refimpl's `every:K`
 # schedule, and runs it in the engine, where the gradients must equal a plain backward bit for
 # bit.
+#
+# **Exercise 4.** `cheapest_every_k(n, budget)`: with at most `budget` layer inputs of memory, the
+# `every:K` plan on a chain of n TanhLayers that recomputes the fewest layer forwards, as
+# `(K, extra forwards, peak)`, or `None` when no K fits. Derive the cost of `every:K` for any K
+# first, K that does not divide n and K = n included; the table of part 2 has a few to test
+# against. Then watch out: the peak is not monotone in K. The check measures every K of nine chains
+# with the counters and the ledger and tries every budget from 0 to n + 1.
 
 # %%
 from refimpl.checkpointing.actions import Advance, Backprop, Free, Record, Restore, Snapshot  # noqa: F401 - exercise 3
 from harness import Exercises
-from harness.checkpointing import check_every_k_schedule, check_revolve_extra, check_sqrt_cost
+from harness.checkpointing import (check_cheapest_every_k, check_every_k_schedule, check_revolve_extra,
+                                  check_sqrt_cost)
 
 ex = Exercises("06_checkpointing")
 
@@ -209,8 +225,14 @@ def every_k_schedule(n, k):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def cheapest_every_k(n, budget):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_sqrt_cost, sqrt_cost)
 ex.check(2, check_revolve_extra, revolve_extra)
 ex.check(3, check_every_k_schedule, every_k_schedule)
+ex.check(4, check_cheapest_every_k, cheapest_every_k)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

@@ -146,6 +146,13 @@ assert result["ok"]
 # zero up to rounding; the verdict compares every |diff| with atol + rtol·|reference|, and the
 # PASS line's ratio (*tolerance used*) is far below the 1 it may reach.
 #
+# **Question (measure and explain).** Interleaving divides the idle time by v (part 3): what does
+# it cost? Measure the peak activations per rank of 1F1B and of interleaved 1F1B with v = 2 and
+# v = 4 at p = 4, m = 8 (`simulate(...).peak_activations`; a chunk's activations are 1/v of a
+# stage's). Convert them to whole stages' activations and compare with 1F1B's. Explain the peak of
+# rank r from the warm-up the schedule needs, as a formula in p, v and r, and check it for other p.
+# What happens at m = p? Name one more cost of interleaving that the simulator's timing ignores.
+#
 # ## Exercises
 #
 # Write schedules as one list of strings per rank in the short form: `"F3"` is the forward of
@@ -161,10 +168,16 @@ assert result["ok"]
 #
 # **Exercise 3.** `bubble_fraction(pp, m)`: 1F1B's bubble fraction, as a number. The check compares
 # it with the simulator for pp up to 6 and m up to 12.
+#
+# **Exercise 4.** `interleaved_bubble(pp, m, v)`: the bubble fraction of interleaved 1F1B with v
+# chunks per rank, each chunk's forward and backward costing 1/v of a whole rank's (as in part 3).
+# Part 3 shows only how the idle time changes; derive the fraction from it. The check compares
+# with the simulator for pp from 2 to 5, m = pp, 2pp and 3pp (refimpl's interleaved schedule needs
+# m to be a multiple of pp), v from 2 to 4, at two ratios B/F.
 
 # %%
 from harness import Exercises
-from harness.schedules import check_bubble_fraction, check_gpipe, check_one_f_one_b
+from harness.schedules import check_bubble_fraction, check_gpipe, check_interleaved_bubble, check_one_f_one_b
 
 ex = Exercises("07_pipeline_schedules")
 
@@ -184,8 +197,14 @@ def bubble_fraction(pp, m):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def interleaved_bubble(pp, m, v):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_gpipe, gpipe)
 ex.check(2, check_one_f_one_b, one_f_one_b)
 ex.check(3, check_bubble_fraction, bubble_fraction)
+ex.check(4, check_interleaved_bubble, interleaved_bubble)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

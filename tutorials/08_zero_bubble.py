@@ -137,6 +137,13 @@ assert result["ok"]
 # zero up to rounding; the verdict compares every |diff| with atol + rtol·|reference|, and the
 # PASS line's ratio (*tolerance used*) is far below the 1 it may reach.
 #
+# **Question (measure and explain).** Part 2 shows ZB-H2 with no steady-state bubble at F = I = W.
+# Measure ZB-H1's and ZB-H2's idle per rank, and ZB-H2's `steady_state_idle`, at p = 4, m = 8 for
+# (F, I, W) = (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (3, 1, 1), and check a few at p = 3 and
+# 6. Find ZB-H2's steady-state idle as a formula in p, F, I and W, and explain it from the
+# schedule's programs (`build("zbh2", 4, 8).text(short=True)`), as part 1 explains ZB-H1's. What
+# does ZB-H2 pay for it?
+#
 # ## Exercises
 #
 # **Exercise 1.** `zb1p_idle(pp, F, I, W)`: the idle time per rank of ZB-H1 (when m ≥ pp,
@@ -153,10 +160,16 @@ assert result["ok"]
 # rank r emit W(j) for j = 0, 1, ... right after each I of micro-batch k ≥ r, and the remaining
 # W's at the end. The check validates it and compares idle time (at three cost settings) and peak
 # activations with refimpl's `zb1p`.
+#
+# **Exercise 4.** `zb1p_idle_any(pp, F, I, W)`: ZB-H1's idle time per rank for *any* positive
+# costs (m ≥ pp). Exercise 1's formula assumes W ≤ F and W ≤ I; with W > F + I it even goes
+# negative. Measure with `simulate(build("zb1p", pp, 2 * pp), Costs(F=..., I=..., W=...))` at costs
+# where W is longer than F, than I, or than both, find the pattern, and explain it to yourself from
+# the gap a deferred W fills. The check compares with the simulator at fourteen cost settings.
 
 # %%
 from harness import Exercises
-from harness.schedules import check_peak_activations, check_zb1p_idle, check_zb_h1
+from harness.schedules import check_peak_activations, check_zb1p_idle, check_zb1p_idle_any, check_zb_h1
 
 ex = Exercises("08_zero_bubble")
 
@@ -176,8 +189,14 @@ def zb_h1(pp, m):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def zb1p_idle_any(pp, F, I, W):  # noqa: E741 - the paper's names
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_zb1p_idle, zb1p_idle)
 ex.check(2, check_peak_activations, peak_activations)
 ex.check(3, check_zb_h1, zb_h1)
+ex.check(4, check_zb1p_idle_any, zb1p_idle_any)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

@@ -86,3 +86,46 @@ def check_every_k_schedule(every_k_schedule) -> None:
         reference_grads = [plain.grad] + [layer.weight.grad for layer in layers]
         if not all(np.array_equal(a, b) for a, b in zip(ours, reference_grads)):
             raise Wrong(f"n={n}, K={k}: run in the engine, your schedule's gradients differ from a plain backward")
+
+
+def check_cheapest_every_k(cheapest_every_k) -> None:
+    """Check: the every:K plan with the fewest recomputations under a memory budget."""
+    for n in (1, 2, 3, 5, 7, 12, 16, 23, 30):
+        measured = {}
+        for k in range(1, n + 1):
+            m = measure_chain(tanh_chain(n), f"every:{k}")
+            measured[k] = (m.extra_forwards, int(m.peak_states))
+        lowest = min(peak for _, peak in measured.values())
+        for budget in range(0, n + 2):
+            fits = [k for k in measured if measured[k][1] <= budget]
+            best = min(fits, key=lambda k: (measured[k][0], -k)) if fits else None
+            got = cheapest_every_k(n, budget)
+            where = f"n={n}, a budget of {budget} layer inputs"
+            if best is None:
+                if got is not None:
+                    raise Wrong(f"{where}: no every:K fits (the lowest peak is {lowest}, at K="
+                                f"{min(k for k in measured if measured[k][1] == lowest)}); return None, you said "
+                                f"{plain(got)}")
+                continue
+            if got is None:
+                raise Wrong(f"{where}: every:{best} fits (it peaks at {measured[best][1]}); you said None"
+                            + (f". every:1 does not fit (it keeps all {n} inputs), but a larger K does: the peak is "
+                               "not monotone in K" if measured[1][1] > budget else ""))
+            try:
+                k, extra, peak = got
+            except (TypeError, ValueError):
+                raise Wrong(f"{where}: return (K, extra forwards, peak); you said {plain(got)}") from None
+            if k not in measured:
+                raise Wrong(f"{where}: K must be between 1 and n; you said K={plain(k)}")
+            if measured[k][1] > budget:
+                raise Wrong(f"{where}: every:{k} peaks at {measured[k][1]} layer inputs, over the budget (its peak is "
+                            f"⌈n/K⌉ − 1 snapshots plus the K inputs of the segment being recorded)")
+            if measured[k][0] > measured[best][0]:
+                gap = [j for j in range(k + 1, best) if measured[j][1] > budget]
+                why = (f"the peak is not monotone in K: every:{gap[0]} does not fit, but a larger K does again"
+                       if gap else "every:K recomputes n − K layers, so the largest K that fits recomputes least")
+                raise Wrong(f"{where}: every:{best} also fits (it peaks at {measured[best][1]}) and recomputes "
+                            f"{measured[best][0]} layer forwards, fewer than every:{k}'s {measured[k][0]}; {why}")
+            if (extra, peak) != measured[k]:
+                raise Wrong(f"{where}: every:{k} measures {measured[k][0]} extra forwards and a peak of "
+                            f"{measured[k][1]} layer inputs; you said {plain(extra)} and {plain(peak)}")

@@ -120,3 +120,59 @@ def check_zb_h1(zb_h1) -> None:
     """Check: a ZB-H1 program."""
     costs = [Costs(F=1, I=1, W=1), Costs(F=2, I=1, W=1), Costs(F=2, I=2, W=1)]
     _compare("zb1p", zb_h1, "zb1p", [(2, 2), (3, 5), (4, 4), (4, 8)], costs, lambda pp, m: [pp] * pp)
+
+
+def check_interleaved_bubble(interleaved_bubble) -> None:
+    """Check: the bubble fraction of interleaved 1F1B."""
+    for pp in (2, 3, 4, 5):
+        for m in (pp, 2 * pp, 3 * pp):
+            for v in (2, 3, 4):
+                schedule = build("interleaved", pp, m, chunks=v)
+                for f, b in [(1, 2), (1, 3)]:  # each chunk's action costs 1/v of a whole rank's share
+                    expected = simulate(schedule, Costs(F=Fraction(f, v), B=Fraction(b, v)),
+                                        steady_state=False).bubble_fraction
+                    got = interleaved_bubble(pp, m, v)
+                    try:
+                        if abs(float(got) - float(expected)) <= 1e-12:
+                            continue
+                    except (TypeError, ValueError):
+                        pass
+                    head = (f"pp={pp}, m={m}, v={v} chunks, costs F={f}, B={b} per rank's share: the simulator measures "
+                            f"a bubble fraction of {expected} = {float(expected):.4f}; you said {plain(got)}")
+                    for wrong, why in [(Fraction(pp - 1, m + pp - 1), "that is 1F1B's, as if the chunks changed "
+                                        "nothing"),
+                                       (Fraction(pp - 1, v * (m + pp - 1)), "dividing 1F1B's fraction by v divides "
+                                        "the idle time, but the makespan it is a fraction of shrinks too"),
+                                       (Fraction(pp - 1, v * m), "that is idle time ÷ work; the bubble fraction is "
+                                        "idle ÷ (work + idle)")]:
+                        if got is not None and not isinstance(got, (str, list, tuple)) and \
+                                abs(float(got) - float(wrong)) <= 1e-12:
+                            raise Wrong(f"{head}: {why}")
+                    raise Wrong(head)
+
+
+def check_zb1p_idle_any(zb1p_idle_any) -> None:
+    """Check: ZB-H1's idle time for any costs, W > F or W > I included."""
+    costs = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2), (1, 3, 2), (3, 1, 2), (2, 1, 3), (1, 2, 3),
+             (1, 1, 3), (2, 3, 4), (1, 1, Fraction(3, 2)), (Fraction(1, 2), 2, 1), (3, 5, Fraction(7, 2))]
+    for pp in (2, 3, 4, 6):
+        for F_, I_, W_ in costs:
+            idle = simulate(build("zb1p", pp, 2 * pp), Costs(F=F_, I=I_, W=W_), steady_state=False).idle
+            got = zb1p_idle_any(pp, F_, I_, W_)
+            try:
+                if abs(float(got) - float(idle[0])) <= 1e-12:
+                    continue
+            except (TypeError, ValueError):
+                pass
+            head = (f"pp={pp}, F={F_}, I={I_}, W={W_} (m={2 * pp}): every rank idles {idle[0]} in the simulator; "
+                    f"you said {plain(got)}")
+            numeric = got is not None and not isinstance(got, (str, list, tuple))
+            reasons = []
+            if numeric and W_ > min(F_, I_) and float(got) in (float((pp - 1) * (F_ + I_ - W_)),
+                                                                float((pp - 1) * max(F_ + I_ - W_, 0))):
+                reasons.append(f"That is exercise 1's (p − 1)(F + I − W), which holds only while W ≤ F and W ≤ I: "
+                               f"here W is longer than {'F' if W_ > F_ else 'I'}, and a W cannot fill more of a gap "
+                               "than the gap is long")
+            if numeric and W_ > F_ and float(got) == float((pp - 1) * (F_ + I_ - min(I_, W_))):
+                reasons.append("Here W > F: the gap a deferred W fills is bounded by F as well as by I")
+            raise Wrong(". ".join([head] + reasons))

@@ -64,3 +64,42 @@ def check_sharded_update(sharded_update) -> None:
         for r, state in enumerate(states):
             if state["m"].shape != (block,):
                 raise Wrong(f"rank {r}'s optimizer state must stay the size of its shard, {block}")
+
+
+def check_zero3_bytes(zero3_bytes) -> None:
+    """Check: ZeRO-3's bytes per rank when N does not divide the buffers."""
+    from refimpl.nn import GPT, GPTConfig
+    from refimpl.parallel.zero.flat import module_units, padded_length
+
+    def sizes_of(**config):
+        units, _ = module_units(GPT(GPTConfig(**config), seed=0))
+        return [sum(p.size for _, p in params) for _, _, params in units]
+
+    models = [("a 2-layer GPT", sizes_of(vocab_size=11, seq_len=16, n_layer=2, n_head=4, d_model=32)),
+              ("a 1-layer GPT", sizes_of(vocab_size=7, seq_len=5, n_layer=1, n_head=1, d_model=3)),
+              ("modules of 5, 1 and 7 parameters", [5, 1, 7])]
+    for what, sizes in models:
+        psi = sum(sizes)
+        for p, g, k in [(4, 4, 8), (2, 2, 12)]:
+            for n in (1, 2, 3, 4, 5, 7, 8, 64):
+                # What refimpl allocates: one FlatGroup per module, each rank holding its block of L/N.
+                blocks = [FlatGroup(0, [("w", Parameter(np.zeros(size)))], shards=n, rank=n - 1).block for size in sizes]
+                expected = (p + g + k) * sum(blocks)
+                got = zero3_bytes(list(sizes), n, p, g, k)
+                if got is not None and not isinstance(got, (list, tuple, dict, str)) and abs(got - expected) < 1e-9:
+                    continue
+                padded = n * sum(blocks)
+                head = (f"{what} (Ψ = {psi:,} in {len(sizes)} modules), N={n}, P={p}, G={g}, K={k}: every rank "
+                        f"holds {expected:,} bytes, (P+G+K)·Ψ′/N with the padded Ψ′ = {padded:,}; you said {plain(got)}")
+                reasons = []
+                if got == (p + g + k) * psi / n:
+                    reasons.append("That is the formula at Ψ: each module's buffer is padded to a multiple of N, "
+                                   "and a rank holds the padding of its block too")
+                if got == (p + g + k) * padded_length(psi, n) // n:
+                    reasons.append("That pads the model as one buffer; ZeRO-3 has one flat buffer per module "
+                                   "(its gather unit), each padded on its own")
+                if reasons:
+                    raise Wrong(head + ". " + ". ".join(reasons))
+                if got == (p + g + k) * sum(size // n for size in sizes):
+                    raise Wrong(head + ". That rounds each module's share down; the padding rounds it up")
+                raise Wrong(head)
