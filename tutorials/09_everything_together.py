@@ -154,6 +154,18 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp
                       "--costs", "F=1,I=1,W=1"], capture_output=True, text=True, check=True).stdout)
 
 # %% [markdown]
+# **Question (measure and explain).** (a) Run section 2's configuration (1F1B, 4 micro-batches)
+# with `--zero 0`, `1`, `2` and `3`, and read, per pipeline rank, `model_state_bytes`,
+# `memory_peak_bytes` (its `gradient_buckets` and `total`) and `bytes_sent` (reduce-scatter and
+# all-gather) from `train --json`. Which column does each stage halve? ZeRO-2 holds half the
+# gradients of ZeRO-1, yet its peak total here is *higher*: find the term responsible and explain
+# it; would it still be so for a stage of 1 GB with the default 1 MiB buckets? (b) Relate the
+# reduce-scatter and all-gather bytes of ZeRO-1, 2 and 3 to Ψ, dp and the m = 4 micro-batches:
+# what does sharding gradients or parameters cost inside a pipeline that it does not cost with
+# data parallelism alone (m = 1)? (c) Peak activations: predict the ratio of pipeline rank 0's to
+# rank 1's under `1f1b` and under `gpipe`, then measure both and `zb1p`. Why is rank 1's peak
+# under 1F1B more than half of rank 0's, and why does zb1p raise only rank 1's?
+#
 # ## Exercises
 #
 # **Exercise 1.** `mesh_coordinates(rank, dp, pp, tp)`: the triple (d, p, t) of a world rank --
@@ -179,10 +191,23 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp
 # that holds the same stages. With `"1f1b"` (stage p on pipeline rank p) and `"zbv"` (stages p and
 # 2pp − 1 − p) that is the rank's row in section 1's grid, its data-parallel group; with `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so
 # pipeline ranks p and pp − 1 − p of every replica hold the same two stages.
+#
+# **Exercise 4.** `stage_model_states(n_layer, d_model, seq_len, vocab_size, dp, pp, zero)`: the
+# table of section 2 before you run it. Return one dict per pipeline rank, `{"parameters": bytes,
+# "gradients": bytes, "optimizer_states": bytes}`, for the sorting GPT of tutorial 02 (untied
+# embedding and head, the head without a bias) in float32 with AdamW, 1F1B (stage p on pipeline
+# rank p), the layers split as in exercise 2 with the token and position embeddings on the first
+# stage and the final layer norm and head on the last, and ZeRO-`zero` (0, 1 or 2) over each
+# stage's dp copies. Derive a block's parameters from its layers (tutorial 02), and mind what
+# tutorial 05 said about ZeRO's flat buffers when dp does not divide a stage's Ψ: the ledger counts
+# every byte a rank holds. The check builds refimpl's stages and ZeRO's flat buffers for each case
+# and counts them as the memory ledger does (section 2's numbers), on uneven splits, dp from 1 to 5
+# and pp from 1 to 4 (every stage here fits one 1 MiB bucket: one flat buffer per stage).
 
 # %%
 from harness import Exercises
 from harness.composition import check_gradient_group, check_mesh_coordinates, check_stage_layers
+from harness.composition import check_stage_model_states
 
 ex = Exercises("09_everything_together")
 
@@ -202,8 +227,14 @@ def gradient_group(rank, dp, pp, schedule):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def stage_model_states(n_layer, d_model, seq_len, vocab_size, dp, pp, zero):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_mesh_coordinates, mesh_coordinates)
 ex.check(2, check_stage_layers, stage_layers)
 ex.check(3, check_gradient_group, gradient_group)
+ex.check(4, check_stage_model_states, stage_model_states)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

@@ -380,10 +380,23 @@ print(f"tolerance used {result['tolerance_used']:.3g}: the worst number used {10
 # when rank r computes heads r·H/t … (r+1)·H/t − 1 and runs refimpl's attention code with
 # H/t heads on its (B, T, 3C/t) output. Return `(qkv_weight_r, qkv_bias_r)`, of shapes
 # (3C/t, C) and (3C/t,).
+#
+# **Exercise 4.** `tp_allreduce_bytes(n_layer, tokens, width, t, itemsize, first, last)`: the bytes
+# one rank of a tensor-parallel group of t sends in all-reduces for one micro-batch of N = `tokens`
+# tokens of width C through a pipeline stage of `n_layer` blocks, without sequence parallelism:
+# forward, backward and the loss. `first` says the stage holds the embedding (vocabulary-parallel,
+# part 4), `last` that it holds the final layer norm, the head (column-parallel) and the loss; a
+# middle stage holds neither, and with pp = 1 both are true. Parts 2 and 4 count the all-reduces of
+# one MLP and of the loss; derive the rest -- which operators of which layers all-reduce (N, C) in
+# forward and which in backward, and which belong to a stage's ends -- and use tutorial 03's ring:
+# an all-reduce of E elements sends 2E(t − 1)/t of them (t divides N and C here). The check compares
+# with `refimpl/parallel/tensor_parallel/formulas.py`, which the counters match byte for byte
+# (part 5), on first, middle and last stages, t from 1 to 8, and names the usual mistakes.
 
 # %%
 from harness import Exercises
 from harness.tensor_parallel import check_conjugate_operators, check_mlp_slices, check_qkv_slices
+from harness.tensor_parallel import check_tp_allreduce_bytes
 
 ex = Exercises("10_tensor_parallel")
 
@@ -419,8 +432,14 @@ def qkv_slices(qkv_weight, qkv_bias, n_head, r, t):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def tp_allreduce_bytes(n_layer, tokens, width, t, itemsize, first, last):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_conjugate_operators, conjugate_operators)
 ex.check(2, check_mlp_slices, mlp_slices)
 ex.check(3, check_qkv_slices, qkv_slices)
+ex.check(4, check_tp_allreduce_bytes, tp_allreduce_bytes)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

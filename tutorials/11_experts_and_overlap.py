@@ -486,10 +486,22 @@ assert all(report["identical"]) and all(n > 0 for n in report["switches_on"])
 # before the task's all-to-all has arrived, and the step ends when the engine is done and every
 # all-to-all has arrived. Return that end time minus the total compute time: how long the engine
 # waited. Use exact arithmetic (the check's costs are whole numbers).
+#
+# **Exercise 4.** `alltoall_bytes(chosen, n_experts, width, itemsize)`: `chosen` is a list of P
+# integer arrays, `chosen[r]` (N_r, K) the experts rank r's own tokens chose; the E = `n_experts`
+# experts are split over the P ranks as in part 3, and the rows have `width` C elements of
+# `itemsize` bytes. Return, for every rank, the bytes it sends in one forward and backward of the
+# layer, as a list of P dicts `{"alltoall": bytes, "alltoallv": bytes}` (the counts exchange and
+# the rows' exchanges, the counters' kinds). Part 3 measured one balanced case between two ranks;
+# derive the general rule from what `ExpertParallel.__call__` and `AllToAll` do: which blocks leave
+# a rank in each of the four steps and in backward, what the counts are stored as, and whose routing
+# decides what a rank sends in the combine. The check runs refimpl's `ExpertParallel` on simulated
+# ranks with exactly these choices (uneven routing, every token to one expert, K = 3 choices on one
+# rank, P = 2 to 4, float32 and float64) and compares with the counters, rank by rank.
 
 # %%
 from harness import Exercises
-from harness.experts import check_dispatch_indices, check_exposed_time, check_overlapped_order
+from harness.experts import check_alltoall_bytes, check_dispatch_indices, check_exposed_time, check_overlapped_order
 from harness.experts import is_alltoall  # noqa: F401 - for exercises 2 and 3
 
 ex = Exercises("11_experts_and_overlap")
@@ -510,8 +522,14 @@ def exposed_time(order, cost):
     raise NotImplementedError("exercise 3")
 
 
+@ex.stub
+def alltoall_bytes(chosen, n_experts, width, itemsize):
+    raise NotImplementedError("exercise 4")
+
+
 # %%
 ex.check(1, check_dispatch_indices, dispatch_indices)
 ex.check(2, check_overlapped_order, overlapped_order)
 ex.check(3, check_exposed_time, exposed_time)
+ex.check(4, check_alltoall_bytes, alltoall_bytes)
 ex.summary();  # the `;` keeps a notebook from echoing the returned True/False

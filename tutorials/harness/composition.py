@@ -129,3 +129,131 @@ def check_gradient_group(gradient_group) -> None:
                 if got != expected:
                     raise Wrong(f"{schedule}, dp={dp}, pp={pp}: rank {rank} sums its gradients with ranks {expected} "
                                 f"(every rank that holds the same stages); you said {plain(got)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Exercise 4: the model states each pipeline rank holds, with ZeRO inside each stage's group
+# ------------------------------------------------------------------------------------------------
+
+BUCKET_BYTES = 1 << 20  # train's default --bucket-bytes: every stage of the check's models fits one bucket
+MODEL_STATE_KINDS = ("parameters", "gradients", "optimizer_states")
+
+# (n_layer, d_model, seq_len, vocab_size, dp, pp): uneven splits, dp not dividing Ψ, pp = 1, dp = 1
+MODEL_STATE_CASES = [(4, 32, 8, 11, 2, 2), (3, 20, 6, 11, 3, 2), (5, 16, 10, 13, 3, 3), (2, 24, 4, 7, 1, 2),
+                     (3, 12, 6, 9, 4, 1), (7, 8, 12, 17, 5, 4), (6, 28, 14, 31, 3, 4)]
+
+
+def _stage_parameters(n_layer: int, d_model: int, seq_len: int, vocab_size: int, pp: int) -> list:
+    """[[(name, Parameter)] of each stage], as the trainer splits refimpl's GPT (float32, untied)."""
+    from refimpl.nn import GPT, GPTConfig  # noqa: PLC0415
+    from refimpl.parallel.pipeline.stage import split_model  # noqa: PLC0415
+
+    model = GPT(GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=1, d_model=d_model,
+                          dtype="float32"), seed=0)
+    stages = split_model(model, pp)
+    return [stages[s].named_parameters() for s in range(pp)]
+
+
+def reference_stage_model_states(n_layer, d_model, seq_len, vocab_size, dp, pp, zero, *, padded=True,
+                                    split=None) -> list:
+    """The bytes the memory ledger reports per pipeline rank (train --json's pipeline.model_state_bytes) for
+    float32 AdamW, ZeRO-`zero` (0, 1 or 2) over each stage's dp copies: ZeRO's flat buffers are padded to a
+    multiple of dp (refimpl/parallel/zero/flat.py), and with ZeRO-1/2 the whole parameters and (ZeRO-1)
+    gradients are those padded buffers."""
+    from refimpl.parallel.zero.flat import bucket_groups  # noqa: PLC0415
+
+    result = []
+    for named in split or _stage_parameters(n_layer, d_model, seq_len, vocab_size, pp):
+        psi = sum(p.data.size for _, p in named)
+        if zero == 0:
+            whole = shard = psi
+        else:
+            whole = sum(g.length for g in bucket_groups(named, BUCKET_BYTES, dp, 0)) if padded else psi
+            shard = whole // dp if padded else psi / dp
+        result.append({"parameters": 4 * whole, "gradients": 4 * (shard if zero >= 2 else whole),
+                       "optimizer_states": 8 * (shard if zero >= 1 else whole)})
+    return result
+
+
+def _model_state_mistakes(case, zero) -> dict:
+    """{description: answer} of the usual wrong derivations."""
+    L, C, T, V, dp, pp = case
+    params = _stage_parameters(L, C, T, V, pp)
+    mistakes = {}
+    if zero >= 1 and dp > 1:
+        mistakes["ZeRO's flat buffers are padded to a multiple of dp, so that every rank owns an equal shard; the "
+                 "padding is held too: the whole buffers (parameters, and gradients below ZeRO-2) and each "
+                 "rank's shard are ⌈Ψ/dp⌉·dp and ⌈Ψ/dp⌉ elements"] = reference_stage_model_states(
+            L, C, T, V, dp, pp, zero, padded=False, split=params)
+        unpadded_whole = []
+        for named, right in zip(params, reference_stage_model_states(L, C, T, V, dp, pp, zero, split=params)):
+            psi = sum(p.data.size for _, p in named)
+            unpadded_whole.append({**right, "parameters": 4 * psi, **({"gradients": 4 * psi} if zero == 1 else {})})
+        mistakes["the whole buffers are padded too: with ZeRO-1 or 2 the parameters (and ZeRO-1's gradients) are "
+                 "the flat buffer of ⌈Ψ/dp⌉·dp elements"] = unpadded_whole
+    for other in (0, 1, 2):
+        if other != zero:
+            mistakes[f"that is ZeRO-{other}'s split: ZeRO-1 shards the optimizer states, ZeRO-2 the gradients as well, "
+                     "the parameters stay whole"] = reference_stage_model_states(L, C, T, V, dp, pp, other,
+                                                                                    split=params)
+    if pp > 1 and L % pp:
+        sizes = stage_sizes(L, pp)[::-1]  # the extra layers on the last stages instead of the first
+        blocks = [[(n, p) for n, p in named if n.startswith("blocks.")] for named in params]
+        flat = [b for stage in blocks for b in stage]
+        per_block = len(flat) // L
+        start, redone = 0, []
+        for s, size in enumerate(sizes):
+            mine = flat[start * per_block:(start + size) * per_block]
+            start += size
+            redone.append([(n, p) for n, p in params[s] if not n.startswith("blocks.")] + mine)
+        mistakes["the first L mod pp stages get one layer more (exercise 2), not the last ones"] = (
+            reference_stage_model_states(L, C, T, V, dp, pp, zero, split=redone))
+    if pp > 1:
+        swapped = [[(n, p) for n, p in params[0] if n.startswith("blocks.")]
+                   + [(n, p) for n, p in params[-1] if not n.startswith("blocks.")]]
+        swapped += params[1:-1] + [[(n, p) for n, p in params[-1] if n.startswith("blocks.")]
+                                   + [(n, p) for n, p in params[0] if not n.startswith("blocks.")]]
+        mistakes["the embeddings (token and position) are on the first stage, the final layer norm and the head "
+                 "on the last"] = reference_stage_model_states(L, C, T, V, dp, pp, zero, split=swapped)
+    for missing, why in (("wpe.", "the position embedding, seq_len × C, is a parameter of the first stage"),
+                         ("ln_f.", "the final layer norm's weight and bias, 2C, are on the last stage"),
+                         ("lm_head.", "the head, V × C without a bias (untied from the embedding), is on the last "
+                                      "stage")):
+        mistakes[why] = reference_stage_model_states(
+            L, C, T, V, dp, pp, zero, split=[[(n, p) for n, p in named if not n.startswith(missing)]
+                                             for named in params])
+    return mistakes
+
+
+def check_stage_model_states(stage_model_states) -> None:
+    """Check: the model-state bytes of each pipeline rank under dp x pp with ZeRO."""
+    answers = []  # (case, zero, where, expected, got), every case first: a mistake is named if it explains them all
+    for case in MODEL_STATE_CASES:
+        L, C, T, V, dp, pp = case
+        for zero in (0, 1, 2):
+            expected = reference_stage_model_states(L, C, T, V, dp, pp, zero)
+            where = f"n_layer={L}, d_model={C}, seq_len={T}, vocab_size={V}, dp={dp}, pp={pp}, ZeRO-{zero}"
+            got = stage_model_states(L, C, T, V, dp, pp, zero)
+            try:
+                got = [{kind: plain(rank[kind]) for kind in MODEL_STATE_KINDS} for rank in got]
+            except (TypeError, KeyError, IndexError):
+                raise Wrong(f"{where}: return a list with one dict per pipeline rank, keys "
+                            f"{', '.join(MODEL_STATE_KINDS)}; you returned {shown(got)}") from None
+            if len(got) != pp:
+                raise Wrong(f"{where}: return one dict per pipeline rank, {pp} of them, not {len(got)}")
+            answers.append((case, zero, where, expected, got))
+    wrong = [answer for answer in answers if answer[4] != answer[3]]
+    if not wrong:
+        return
+    case, zero, where, expected, got = wrong[0]
+    p = next(r for r in range(len(got)) if got[r] != expected[r])
+    kind = next(k for k in MODEL_STATE_KINDS if got[p][k] != expected[p][k])
+    mistakes = _model_state_mistakes(case, zero)
+    table = {(c, z): _model_state_mistakes(c, z) for c, z, *_ in answers}
+    everywhere = [why for why in mistakes if all(table[c, z].get(why, e) == g for c, z, _, e, g in answers)]
+    here = [why for why, guess in mistakes.items() if guess == got]
+    field = [why for why, guess in mistakes.items()
+             if [w[kind] for w in guess] == [g[kind] for g in got] and guess[p][kind] != expected[p][kind]]
+    hint = (everywhere or here or field or [None])[0]
+    raise Wrong(f"{where}: pipeline rank {p} holds {expected[p][kind]:,} bytes of {kind.replace('_', ' ')} "
+                f"(the memory ledger's count); you said {shown(got[p][kind])}" + (f": {hint}" if hint else ""))

@@ -469,3 +469,106 @@ def check_exposed_time(exposed_time) -> None:
 __all__ = ["AllToAllThreadComm", "run_ranks", "reference_dispatch_indices", "check_dispatch_indices", "is_alltoall",
            "moe_forward", "moe_backward", "reference_interleave", "check_overlapped_order", "reference_exposed_time",
            "check_exposed_time"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Exercise 4: the bytes a rank's all-to-alls send, for a given routing
+# ------------------------------------------------------------------------------------------------
+
+
+def measured_alltoall_bytes(chosen, n_experts: int, width: int, dtype: str) -> list:
+    """[{"alltoall": bytes, "alltoallv": bytes}] per rank, counted by the simulated ranks' counters over one
+    forward and backward of refimpl's ExpertParallel with the experts of `chosen[r]` (rank r's (N_r, K) choices)."""
+    from refimpl.autograd import Tensor  # noqa: PLC0415
+    from refimpl.nn.experts import MoE  # noqa: PLC0415
+    from refimpl.parallel.experts import ExpertParallel  # noqa: PLC0415
+
+    def program(comm):
+        moe = MoE(d_model=width, n_experts=n_experts, top_k=1, rng=np.random.default_rng(0), dtype=dtype)
+        runner = ExpertParallel(moe, comm)  # keeps experts rank·E/P ... (rank+1)·E/P − 1
+        counts = np.bincount(np.asarray(chosen[comm.rank]).reshape(-1), minlength=n_experts)  # as MoE.forward sorts
+        x_sorted = Tensor(np.ones((int(counts.sum()), width), dtype=dtype), requires_grad=True)
+        y = runner(moe, x_sorted, counts)  # counts, dispatch, experts, combine
+        y.backward(np.ones_like(y.data))  # the transposes: combine's gradients out, dispatch's back
+        sent = comm.counters.snapshot()
+        return {kind: int(sent.get(kind, {}).get("bytes", 0)) for kind in ("alltoall", "alltoallv")}
+
+    return run_ranks(len(chosen), program)
+
+
+def _alltoall_cases() -> list:
+    """(chosen per rank, E, C, dtype): uneven routing, a rank whose tokens stay home, K choices on one rank."""
+    rng = np.random.default_rng(11)
+    skewed = [np.array([[0, 1], [2, 3], [1, 3]]), np.array([[0, 2], [0, 1], [2, 0], [1, 0]])]
+    three = [rng.integers(0, 6, (5, 1)), np.array([[0], [1], [0]]), np.array([[5], [4], [5], [4]])]
+    hot = [np.zeros((4, 1), dtype=np.int64), np.zeros((6, 1), dtype=np.int64)]  # every token to expert 0 on rank 0
+    wide = [np.array([[4, 5, 6], [0, 1, 7], [2, 3, 4]]), np.array([[0, 1, 2], [5, 6, 7]])]  # K = 3, E = 8
+    four = [np.stack([rng.permutation(8)[:2] for _ in range(n)]) for n in (3, 5, 2, 4)]
+    return [(skewed, 4, 8, "float32"), (three, 6, 4, "float64"), (hot, 2, 3, "float32"), (wide, 8, 5, "float64"),
+            (four, 8, 6, "float32")]
+
+
+def _alltoall_mistakes(chosen, E: int, C: int, item: int, r: int) -> dict:
+    """{description: (alltoall, alltoallv)} of the usual wrong derivations, for rank r."""
+    P = len(chosen)
+    home = [np.asarray(c).reshape(-1) // (E // P) for c in chosen]  # the rank of each assignment's expert
+    away = int((home[r] != r).sum())  # rows rank r dispatches to other ranks
+    back = sum(int((home[s] == r).sum()) for s in range(P) if s != r)  # rows it receives, and combines back
+    local = int((home[r] == r).sum())
+    counts_right = 8 * (E - E // P)
+    rows = 2 * C * item * (away + back)
+    dedup_away = sum(len(set(row.tolist()) - {r}) for row in np.asarray(chosen[r]).reshape(len(chosen[r]), -1)
+                     // (E // P))
+    dedup_back = sum(len({r} & set(row.tolist())) for s in range(P) if s != r
+                     for row in np.asarray(chosen[s]).reshape(len(chosen[s]), -1) // (E // P))
+    return {
+        "the counts are int64, 8 bytes each whatever the rows' itemsize": (item * (E - E // P), rows),
+        "the counts all-to-all sends E/P counts to each other rank, E − E/P in all, not all E (a rank does not "
+        "send to itself)": (8 * E, rows),
+        "the counts are exchanged once, in forward: the backward reuses them": (2 * counts_right, rows),
+        "the combine returns the rows this rank received from the others (its back), not its own: the bytes "
+        "depend on the other ranks' routing too, not only on this rank's": (counts_right, 4 * C * item * away),
+        "rows bound for this rank's own experts never leave it":
+            (counts_right, 2 * C * item * (away + back + 2 * local)),
+        "the backward sends as much as the forward: the transposes of dispatch and combine":
+            (counts_right, C * item * (away + back)),
+        "each of a token's K choices travels separately, even to the same rank (no de-duplication here)":
+            (counts_right, 2 * C * item * (dedup_away + dedup_back)),
+        "bytes, not elements: multiply by itemsize": (counts_right, 2 * C * (away + back)),
+    }
+
+
+def check_alltoall_bytes(alltoall_bytes) -> None:
+    """Check: the bytes of expert parallelism's all-to-alls, per rank, measured."""
+    answers = []  # (case, expected, got), every case first: a mistake is named only if it explains them all
+    for chosen, E, C, dtype in _alltoall_cases():
+        P, item = len(chosen), np.dtype(dtype).itemsize
+        expected = measured_alltoall_bytes(chosen, E, C, dtype)
+        got = alltoall_bytes([np.array(c) for c in chosen], E, C, item)
+        where = (f"P = {P} ranks, E = {E} experts, C = {C}, itemsize {item}, rank r's choices "
+                 f"{[np.asarray(c).tolist() for c in chosen]}")
+        if not isinstance(got, (list, tuple)) or len(got) != P:
+            raise Wrong(f"{where}: return a list of {P} dicts, one per rank, {{'alltoall': bytes, "
+                        f"'alltoallv': bytes}}; you returned {shown(got)}")
+        mine = []
+        for r in range(P):
+            try:
+                mine.append((int(got[r]["alltoall"]), int(got[r]["alltoallv"])))
+            except (TypeError, KeyError, IndexError):
+                raise Wrong(f"{where}: rank {r}'s entry should be a dict {{'alltoall': bytes, 'alltoallv': bytes}}; "
+                            f"you returned {shown(got[r])}") from None
+        answers.append(((chosen, E, C, item), where, [(e["alltoall"], e["alltoallv"]) for e in expected], mine))
+    wrong = [(case, where, r, right[r], mine[r]) for case, where, right, mine in answers
+             for r in range(len(right)) if mine[r] != right[r]]
+    if not wrong:
+        return
+    (chosen, E, C, item), where, r, right, mine = wrong[0]
+    mistakes = _alltoall_mistakes(chosen, E, C, item, r)
+    everywhere = [why for why in mistakes if all(
+        _alltoall_mistakes(*case, q)[why] == got_q[q] for case, _, _, got_q in answers for q in range(len(got_q)))]
+    field = 0 if mine[0] != right[0] else 1
+    here = [why for why, guess in mistakes.items() if guess[field] == mine[field] and guess[field] != right[field]]
+    hint = (everywhere or here or [None])[0]
+    raise Wrong(f"{where}: rank {r} sends {right[0]} bytes of counts (alltoall) and {right[1]} bytes of rows "
+                f"(alltoallv) in one forward and backward, as measured; you said {mine[0]} and {mine[1]}"
+                + (f": {hint}" if hint else ""))

@@ -569,3 +569,66 @@ def check_qkv_slices(qkv_slices) -> None:
 
 __all__ = ["ThreadComm", "run_ranks", "reference_mlp_slices", "reference_qkv_slices", "mlp_case", "mlp_whole",
            "tensor_parallel_mlp", "check_conjugate_operators", "check_mlp_slices", "check_qkv_slices"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Exercise 4: the all-reduce bytes of one micro-batch through a pipeline stage
+# ------------------------------------------------------------------------------------------------
+
+# (blocks, tokens N, width C, t, itemsize, first stage, last stage): t divides N and C
+ALLREDUCE_CASES = [(2, 16, 16, 2, 8, True, True), (3, 12, 24, 3, 4, True, True), (4, 8, 32, 4, 2, True, False),
+                   (2, 24, 12, 2, 8, False, True), (5, 12, 12, 4, 4, False, False), (1, 6, 6, 2, 8, True, False),
+                   (2, 16, 16, 1, 8, True, True), (3, 30, 60, 6, 2, False, True), (2, 8, 8, 8, 4, False, False)]
+
+
+def reference_tp_allreduce_bytes(n_layer, tokens, width, t, itemsize, first, last) -> int:
+    """formulas.py's count: the bytes one rank of t sends in the all-reduces of one micro-batch's forward,
+    backward and loss through `n_layer` blocks, without sequence parallelism."""
+    from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step  # noqa: PLC0415
+
+    shape = StepShape(tokens=tokens, width=width, blocks=n_layer, micro_batches=1, has_embedding=first, has_head=last)
+    return bytes_per_step(shape, False, t, itemsize)["allreduce"]
+
+
+def _allreduce_mistakes(L, N, C, t, item, first, last) -> dict:
+    """{description: bytes} for the usual wrong derivations (ring counting 2E(t − 1)/t elements)."""
+    ring_bytes = lambda elements: 2 * elements * (t - 1) // t * item  # noqa: E731
+    ends, loss = int(first) + int(last), (3 * N if last else 0)
+    right = (4 * L + ends) * N * C + loss
+    return {
+        "the loss's all-reduces are missing: the head's stage all-reduces 3N numbers (the row maxima, Σexp and "
+        "the target logits)": ring_bytes(right - loss),
+        "the loss all-reduces N numbers, not 3N: besides the row maxima, Σexp and the target logit (2N) are "
+        "summed": ring_bytes(right - loss + (N if last else 0)),
+        "a stage without the head computes no loss: only the last stage all-reduces its 3N numbers":
+            ring_bytes(right - loss + 3 * N),
+        "the ends are missing: the first stage's embedding (vocabulary-parallel: g in forward) and the last "
+        "stage's head (column-parallel: f in backward) each all-reduce N·C once more":
+            ring_bytes(right - ends * N * C),
+        "every stage counted the embedding's and the head's all-reduces: only the first stage holds the embedding "
+        "and only the last the head": ring_bytes(right + (2 - ends) * N * C),
+        "only the forward's all-reduces: f's backward all-reduces as many as g's forward":
+            ring_bytes((2 * L + int(first)) * N * C + loss),
+        "a ring all-reduce of E elements sends 2E(t − 1)/t, not E(t − 1)/t (that is a reduce-scatter or an "
+        "all-gather alone)": right * (t - 1) // t * item,
+        "a ring all-reduce of E elements sends 2E(t − 1)/t elements, not 2E: each rank sends t − 1 of its t "
+        "blocks twice": 2 * right * item,
+        "bytes, not elements: multiply by itemsize": ring_bytes(right) // item,
+    }
+
+
+def check_tp_allreduce_bytes(tp_allreduce_bytes) -> None:
+    """Check: tensor parallelism's all-reduce bytes per micro-batch, for a pipeline stage."""
+    for L, N, C, t, item, first, last in ALLREDUCE_CASES:
+        expected = reference_tp_allreduce_bytes(L, N, C, t, item, first, last)
+        got = tp_allreduce_bytes(L, N, C, t, item, first, last)
+        if got == expected:
+            continue
+        where = (f"{L} blocks, N = {N} tokens, C = {C}, t = {t}, itemsize {item}, "
+                 f"{'first' if first else 'not the first'} and {'last' if last else 'not the last'} stage")
+        if t == 1:
+            raise Wrong(f"{where}: one rank sends nothing (a group of 1 has no one to send to); you said {shown(got)}")
+        hint = next((why for why, wrong in _allreduce_mistakes(L, N, C, t, item, first, last).items()
+                     if wrong == got and wrong != expected), None)
+        raise Wrong(f"{where}: one rank sends {expected:,} bytes in all-reduces; you said {shown(got)}"
+                    + (f": {hint}" if hint else ""))

@@ -1,4 +1,5 @@
-"""Reference solutions to tutorial 10's exercises (REFIMPL_TUTORIAL_SOLUTIONS=1 selects them)."""
+"""Reference solutions to tutorial 10's exercises (REFIMPL_TUTORIAL_SOLUTIONS=1 selects them), and a
+model answer to its question (at the end)."""
 
 import numpy as np
 
@@ -39,3 +40,36 @@ def qkv_slices(qkv_weight, qkv_bias, n_head, r, t):
     per_rank = c // t  # (n_head / t) heads of c / n_head rows
     rows = np.concatenate([np.arange(part * c + r * per_rank, part * c + (r + 1) * per_rank) for part in range(3)])
     return qkv_weight[rows], qkv_bias[rows]
+
+
+def tp_allreduce_bytes(n_layer, tokens, width, t, itemsize, first, last):
+    # Forward: g after each block's attention proj and MLP proj (row-parallel), and after the
+    # vocabulary-parallel embedding lookup. Backward: f before each block's qkv and fc
+    # (column-parallel), and before the head. The loss: row max, Σexp and target logit, N each.
+    per_direction = 2 * n_layer * tokens * width
+    elements = 2 * per_direction + (int(first) + int(last)) * tokens * width + (3 * tokens if last else 0)
+    return 2 * elements * (t - 1) // t * itemsize  # the ring: 2E(t − 1)/t elements per rank
+
+
+ANSWER = """
+Model answer to the question (measure and explain).
+
+(a) A parameter's gradient is a sum over the tokens that used it. Without sequence parallelism ln_f runs on
+the whole (B, T, C) activation on every rank: each rank sums over all N tokens and holds one process's
+gradient (1.7e-18, before and after backward). With it, rank r's ln_f sees only tokens r·T/t ... (r+1)·T/t − 1
+of each sequence: its part is off (7.8e-3, 7.0e-3) and only the group's sum, which shard_gpt's hook
+all-reduces, covers every token (1.2e-18). (b) The ranks' tokens are disjoint and make up the batch, so the
+parts add up; an average would be t times too small. Without sequence parallelism an all-reduce (sum) would
+multiply the already whole gradient by t. verify (rtol 1e-10 against one process) reports both at once.
+(c) Nothing re-synchronises the copies: they stay equal because every rank starts from the same seed and
+applies the same deterministic update to bit-identical gradients (an all-reduce hands every rank the same
+bits; without it every rank computes them from the same inputs in the same order). They would drift with
+anything rank-dependent: a reduction whose summation order differs between ranks, non-deterministic GPU
+kernels, per-rank dropout masks in the replicated regions, a rank-local gradient clip; slowly, so verify
+over a few steps might not see it. (d) Keeping the gathered input of each column-parallel layer would cost
+N·C(t − 1)/t elements more per layer, two per block (qkv, fc): 2 · 16 · 16 / 2 = 256 float64 = 2,048 bytes
+per block and micro-batch here, for 5,120 bytes more sent per micro-batch. The saving counts for every block
+and every micro-batch in flight, and the all-gather can overlap the input-gradient GEMM of backward. In
+Korthikanti's counts the gathered inputs are 4sbh of the 34sbh of a layer: 30sbh/t + 4sbh instead of 34sbh/t
+is nearly twice as much at t = 8, for one all-gather more per column-parallel layer (+25% of tp traffic).
+"""
