@@ -30,3 +30,16 @@ def test_study_time_follows_the_stated_rule():
 def test_the_model_answers_come_from_the_solutions():
     answers = SYLLABUS["answers"]()
     assert "### 12_planning_a_run" in answers and "MFU" in answers
+
+
+def test_every_tutorial_has_a_written_question_a_model_answer_and_an_exercise_beyond_the_first_three():
+    """Issue 19, part 3: in every tutorial a written "measure and explain" question whose model
+    answer is in its solution (docs/course.md gathers them), and a fourth exercise: the one that
+    asks the student to derive what the text does not print (tests/test_tutorial_questions_*.py
+    check that each rejects its subtly wrong answers)."""
+    answers = SYLLABUS["answers"]()
+    for path in SYLLABUS["tutorials"]():
+        m = SYLLABUS["measure"](path)
+        assert m["questions"] >= 1, f"{path.name}: no **Question (measure and explain).**"
+        assert m["exercises"] >= 4, f"{path.name}: {m['exercises']} exercises"
+        assert f"### {path.stem}\n" in answers, f"{path.stem}: no ANSWER in tutorials/solutions/{path.name}"

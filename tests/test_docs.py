@@ -86,9 +86,11 @@ def test_no_generated_page_records_a_rounding_level_figure_or_a_timing():
             if match.group("kind") == "file":
                 continue  # a source file, not output
             body = match.group("body")
-            assert not tiny.search(body), f"{path.name}: {tiny.search(body).group(0)} in {match.group('arg')}"
-            if "predicted" in GENERATE["parse_options"](match.group("options")):
-                continue  # the cluster model's predicted seconds: arithmetic, not a timing
+            if "quoted" not in GENERATE["parse_options"](match.group("options")):
+                assert not tiny.search(body), f"{path.name}: {tiny.search(body).group(0)} in {match.group('arg')}"
+            options = GENERATE["parse_options"](match.group("options"))
+            if "predicted" in options or "quoted" in options:
+                continue  # the cluster model's predicted seconds, or text quoted from files: not timings
             assert not timing.search(body), f"{path.name}: {timing.search(body).group(0)} in {match.group('arg')}"
 
 
@@ -165,7 +167,7 @@ def test_a_tutorial_page_shows_its_output():
     assert not [o for o in outputs if "error" in o], outputs
     page = hooks["tutorial_markdown"](path, outputs)
     assert "with the output of a run made when this site was built" in page
-    assert "```text\n" in page and "01_autograd: 0 of 3 exercises correct" in page
+    assert "```text\n" in page and re.search(r"01_autograd: 0 of \d+ exercises correct", page)
     assert not re.search(r"exercises correct[^`]*\n(True|False)\n```", page), "summary()'s bool is not echoed"
 
 

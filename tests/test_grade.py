@@ -74,7 +74,7 @@ def test_a_subtly_wrong_answer_in_an_edited_tutorial_fails_with_the_checks_messa
     wrong = results[("06_checkpointing", 2)]
     assert wrong["result"] == "fail" and "advances" in wrong["message"], wrong
     assert results[("06_checkpointing", 1)]["result"] == "not done"
-    assert report["score"] == 0 and report["total"] == 3
+    assert report["score"] == 0 and report["total"] == len(grade.all_exercises()["06_checkpointing"])
 
 
 def test_helpers_and_imports_the_answer_needs_come_along_and_errors_point_at_the_students_line(tmp_path):
@@ -132,4 +132,5 @@ def test_a_file_that_does_not_parse_fails_its_exercises(tmp_path):
     path = tmp_path / "01_autograd.py"
     path.write_text("def sigmoid_backward(y, g):\n    return y *\n")
     grades = grade.grade_files([path], timeout=30)
-    assert len(grades) == 3 and all(g.result == "fail" and "does not parse" in g.message for g in grades)
+    assert len(grades) == len(grade.all_exercises()["01_autograd"])
+    assert all(g.result == "fail" and "does not parse" in g.message for g in grades)

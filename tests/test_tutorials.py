@@ -99,9 +99,12 @@ def test_tutorial_runs_with_solutions(path):
 def test_a_student_run_reports_each_exercise_and_finishes():
     path = REPO / "tutorials" / "01_autograd.py"
     done = check_ok(run_local([path], timeout=120, env={"REFIMPL_TUTORIAL_SOLUTIONS": None}))
+    numbers = [str(number) for number, _, _ in exercises_of(path)[1]]
+    assert len(numbers) >= 4
     assert re.findall(r"^Exercise (\d) \(.+\): not done yet -- \w+ still raises NotImplementedError", done.stdout,
-                      re.M) == ["1", "2", "3"]
-    assert "01_autograd: 0 of 3 exercises correct; not done yet: 1, 2, 3" in done.stdout
+                      re.M) == numbers
+    assert (f"01_autograd: 0 of {len(numbers)} exercises correct; not done yet: {', '.join(numbers)}"
+            in done.stdout)
 
 
 # ------------------------------------------------------------------------------------------------
