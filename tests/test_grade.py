@@ -134,3 +134,18 @@ def test_a_file_that_does_not_parse_fails_its_exercises(tmp_path):
     grades = grade.grade_files([path], timeout=30)
     assert len(grades) == len(grade.all_exercises()["01_autograd"])
     assert all(g.result == "fail" and "does not parse" in g.message for g in grades)
+
+
+def test_the_capstone_is_graded_valid_on_target_and_equal_to_one_process():
+    example = "docs/examples/my_schedule.py:early_backward"  # docs/capstone.md's worked example
+    grades = grade.grade_capstone(example, pp=4, micro_batches=8, bubble_below=None)
+    assert [g.result for g in grades] == ["pass", "pass", "pass"], grades
+    assert "0.2500 < 1F1B's 0.2727" in grades[1].message and "verify PASS" in grades[2].message
+    # 1F1B itself does not beat 1F1B; an explicit target can be missed too
+    same = grade.grade_capstone("refimpl.parallel.pipeline.schedules.one_f_one_b:one_f_one_b", 4, 8, None,
+                                run_verify=False)
+    assert [g.result for g in same] == ["pass", "fail", "not done"]
+    assert grade.grade_capstone(example, 4, 8, 0.2, run_verify=False)[1].result == "fail"
+    missing = grade.grade_capstone("docs/examples/no_such_file.py:f", 4, 8, None)
+    assert [g.result for g in missing] == ["fail", "not done", "not done"] and "no file" in missing[0].message
+    assert run("--capstone", example, "--no-verify").returncode == 1  # not everything passed

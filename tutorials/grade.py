@@ -411,6 +411,73 @@ def student_line(report: dict, width: int) -> str:
 
 # ------------------------------------------------------------------------------------------------
 
+# ------------------------------------------------------------------------------------------------
+# The capstone: a pipeline schedule of the student's own (docs/capstone.md)
+# ------------------------------------------------------------------------------------------------
+
+VERIFY_FLAGS = ["--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "8",
+                "--steps", "2"]
+
+
+def grade_capstone(spec: str, pp: int, micro_batches: int, bubble_below: float | None,
+                   run_verify: bool = True, timeout: float = 120) -> list[Grade]:
+    """Three grades for the schedule generator `spec` (FILE.py:FUNCTION or MODULE:FUNCTION):
+
+        valid        it builds for (pp, micro_batches) and refimpl's validator accepts it
+                     (every action once, placement, local order, messages paired, no deadlock)
+        target       its simulated bubble fraction at F = I = W = 1 is below `bubble_below`
+                     (default: 1F1B's at the same pp and micro-batches: the schedule must beat it)
+        equivalent   `mpiexec -n 2 python -m refimpl verify --pp 2 --schedule SPEC` passes: trained
+                     over MPI it equals single-process training (float64, rtol 1e-10)
+    """
+    from fractions import Fraction  # noqa: PLC0415
+
+    from refimpl.parallel.pipeline import Costs, build, simulate  # noqa: PLC0415
+
+    def grade(number, title, result, message):
+        return Grade("capstone", number, title, title, result, message, spec)
+
+    grades = []
+    try:
+        schedule = build(spec, pp, micro_batches)
+    except Exception as exc:  # noqa: BLE001 - the student's schedule, reported in one line
+        grades.append(grade(1, "valid", "fail", _first_line(str(exc)) or type(exc).__name__))
+        return grades + [grade(2, "bubble target", "not done", "needs a valid schedule"),
+                         grade(3, "equivalent to one process", "not done", "needs a valid schedule")]
+    grades.append(grade(1, "valid", "pass", f"validated for pp={pp}, {micro_batches} micro-batches"))
+    costs = Costs(F=1, I=1, W=1)
+    bubble = simulate(schedule, costs, steady_state=False).bubble_fraction
+    reference = simulate(build("1f1b", pp, micro_batches), costs, steady_state=False).bubble_fraction
+    target = Fraction(str(bubble_below)) if bubble_below is not None else reference
+    against = f"the target {float(target):.4f}" if bubble_below is not None else f"1F1B's {float(reference):.4f}"
+    ok = bubble < target
+    grades.append(grade(2, "bubble target", "pass" if ok else "fail",
+                        f"bubble {float(bubble):.4f} {'<' if ok else '>='} {against} (F = I = W, pp={pp}, "
+                        f"{micro_batches} micro-batches)"))
+    if not run_verify:
+        grades.append(grade(3, "equivalent to one process", "not done", "--no-verify"))
+        return grades
+    from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: PLC0415
+
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        grades.append(grade(3, "equivalent to one process", "fail", "no mpiexec found (pip install mpich)"))
+        return grades
+    command = [mpiexec, "-n", "2", sys.executable, "-m", "refimpl", "verify", "--pp", "2", "--schedule", spec,
+               *VERIFY_FLAGS]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=without_launcher(),
+                              cwd=Path.cwd())
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        message = next((line for line in reversed(lines) if "PASS" in line or "FAIL" in line or "error" in line),
+                       lines[-1] if lines else "")
+        result = "pass" if done.returncode == 0 else "fail"
+    except subprocess.TimeoutExpired:
+        result, message = "fail", f"verify did not finish in {timeout:g} s"
+    grades.append(grade(3, "equivalent to one process", result, f"verify --pp 2, 2 ranks: {message.strip()}"))
+    return grades
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Grade the tutorials' exercises in a student's files, or in a folder of submissions "
@@ -422,8 +489,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=30, help="seconds one exercise may run (default 30)")
     parser.add_argument("--every-tutorial", action="store_true",
                         help="grade every tutorial's exercises; those with no file are not done")
+    parser.add_argument("--capstone", metavar="FILE.py:FUNCTION",
+                        help="grade a pipeline schedule of the student's own (docs/capstone.md): valid, its bubble "
+                             "below the target, equal to one process under verify")
+    parser.add_argument("--pp", type=int, default=4, help="capstone: pipeline ranks to validate and simulate (default 4)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="capstone: micro-batches (default 8)")
+    parser.add_argument("--bubble-below", type=float,
+                        help="capstone: the bubble fraction to beat (default: 1F1B's at the same pp and micro-batches)")
+    parser.add_argument("--no-verify", action="store_true", help="capstone: skip the mpiexec verify run")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.capstone:
+        if args.paths:
+            print("grade.py: give either --capstone or files, not both", file=sys.stderr)
+            return 2
+        grades = grade_capstone(args.capstone, args.pp, args.micro_batches, args.bubble_below, not args.no_verify,
+                                timeout=max(args.timeout, 120))
+        report = summary(grades)
+        if args.json:
+            print(json.dumps({**report, "seconds": round(time.perf_counter() - start, 2)}))
+        else:
+            print_table(grades)
+        return 0 if report["all_pass"] else 1
     paths = [Path(p) for p in args.paths] or sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
     try:
         folders = [p for p in paths if p.is_dir()]
