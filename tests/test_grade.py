@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,16 +33,15 @@ def by_exercise(report: dict) -> dict:
     return {(r["tutorial"], r["exercise"]): r for r in report["results"]}
 
 
-def test_every_tutorial_has_exercises_and_their_solutions_pass_in_under_30_s():
+def test_every_tutorial_has_exercises_and_their_solutions_pass():
+    # How long it takes is the grader's --json "seconds" (about 3 s for 49 exercises on 2 cores);
+    # no test asserts a time: tests never depend on the machine's speed.
     assert N_EXERCISES >= 38 and all(grade.all_exercises().values())
-    start = time.perf_counter()
     done = run(*SOLUTIONS, "--json")
-    seconds = time.perf_counter() - start
     report = json.loads(done.stdout)
     failing = [r for r in report["results"] if r["result"] != "pass"]
     assert not failing, failing
     assert (report["score"], report["total"], done.returncode) == (N_EXERCISES, N_EXERCISES, 0)
-    assert seconds < 30, f"grading the solutions took {seconds:.1f} s"
 
 
 def test_the_tutorials_themselves_are_not_done_and_the_table_says_so():
