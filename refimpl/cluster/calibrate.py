@@ -286,33 +286,33 @@ def _p2p_times(world, sizes, repeats: int) -> list[float]:
     (2, 3), ...; a rank without a partner (odd world) waits. One process: a message to itself
     through the mailbox. Medians, not means: a link's α and β are what a message costs when both
     ends run, and one descheduled round trip would otherwise decide a small size's time."""
-    out = []
     r, n = world.rank, world.size
     peer = r ^ 1 if n > 1 else 0
-    for size in sizes:
-        buf = np.zeros(max(1, size // 4), dtype=np.float32)
-        world.barrier()
-        times = np.zeros(repeats)
-        for i in range(repeats):
-            start = time.perf_counter()
-            if n == 1:
-                world.isend(buf, 0).wait()
-                world.recv(buf, 0)
-            elif peer >= n:
-                pass
-            elif r % 2 == 0:
-                world.send(buf, peer)
-                world.recv(buf, peer)
-            else:
-                world.recv(buf, peer)
-                world.send(buf, peer)
-            times[i] = time.perf_counter() - start
-        out.append(float(np.median(times)) / (2 if n > 1 else 1))
-    return out
+
+    def round_trip(buf):
+        if n == 1:
+            world.isend(buf, 0).wait()
+            world.recv(buf, 0)
+        elif peer >= n:
+            pass
+        elif r % 2 == 0:
+            world.send(buf, peer)
+            world.recv(buf, peer)
+        else:
+            world.recv(buf, peer)
+            world.send(buf, peer)
+
+    return [median / (2 if n > 1 else 1) for median in _median_seconds(world, sizes, repeats, round_trip)]
 
 
 def _allreduce_times(world, sizes, repeats: int) -> list[float]:
     """Seconds per all-reduce of each size: the median call, on the slowest rank."""
+    medians = _median_seconds(world, sizes, repeats, world.allreduce)
+    return [world.allreduce_value(median, op="max") for median in medians]
+
+
+def _median_seconds(world, sizes, repeats: int, call) -> list[float]:
+    """The median seconds of `repeats` calls of call(buf), per size in bytes, after a barrier."""
     out = []
     for size in sizes:
         buf = np.zeros(max(1, size // 4), dtype=np.float32)
@@ -320,9 +320,9 @@ def _allreduce_times(world, sizes, repeats: int) -> list[float]:
         times = np.zeros(repeats)
         for i in range(repeats):
             start = time.perf_counter()
-            world.allreduce(buf)
+            call(buf)
             times[i] = time.perf_counter() - start
-        out.append(world.allreduce_value(float(np.median(times)), op="max"))
+        out.append(float(np.median(times)))
     return out
 
 

@@ -273,8 +273,9 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
     split = 8 * h + 2 * a * s + (3 * a * s if run.dropout else 0)  # GeLU; softmax (and its dropout) per head
     traffic = blocks * N * e * ((whole / t if sp else whole) + split / t)
     overhead = blocks * (OPERATIONS_PER_DROPOUT_BLOCK if run.dropout else OPERATIONS_PER_BLOCK) * cluster.op_overhead
+    blocks_forward = gemm / gemm_rate + core / core_rate + traffic / bandwidth + overhead
     times = ActionTimes()
-    _add(times.F, "compute", gemm / gemm_rate + core / core_rate + traffic / bandwidth + overhead)
+    _add(times.F, "compute", blocks_forward)
     _add(times.I, "compute", gemm / gemm_rate + 2 * core / core_rate + 2 * traffic / bandwidth + overhead)
     _add(times.W, "compute", gemm / gemm_rate + overhead)
     if last:  # the head: a GEMM each way, the float32 softmax cross-entropy (3 passes forward, 2 back)
@@ -299,7 +300,7 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
 
     # Recomputation, charged to the backward that needs it.
     if run.checkpoint == "full":
-        _add(times.I, "recompute", times.F["compute"] - (_head_forward(run, cluster, eff) if last else 0.0))
+        _add(times.I, "recompute", blocks_forward)  # the blocks again; the head is not checkpointed
     elif run.checkpoint == "selective":
         _add(times.I, "recompute", core / core_rate + blocks * N * e * (2 * a * s / t) / bandwidth)
 
@@ -334,12 +335,6 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
         across = run.dp * run.tp >= cluster.gpus_per_node
         times.P = links.send(nh / t if sp else nh, across)
     return times
-
-
-def _head_forward(run: Run, cluster: Cluster, eff: Efficiency) -> float:
-    N, h, V, t = run.micro_batch_size * run.seq_len, run.d_model, run.vocab_size, run.tp
-    return 2 * N * h * V / t / (cluster.flops(run.dtype) * eff.gemm) + 3 * N * V / t * 4 / (
-        cluster.memory_bandwidth * eff.memory)
 
 
 def _itemsize(dtype: str) -> int:

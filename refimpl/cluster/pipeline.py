@@ -39,7 +39,6 @@ NS = 1e-9
 @dataclass(frozen=True)
 class PipelineTime:
     makespan: float  # seconds, one step's forwards and backwards on the busiest rank
-    busy: float  # seconds of actions on that rank
     peak_in_flight: tuple[int, ...]  # per rank: (stage, micro-batch) activations held at once (freed at W)
     simulated_micro_batches: tuple[int, ...]  # the m of each simulation (one: not extrapolated)
     exposed_all_to_all: float = 0.0  # seconds the busiest rank waits for experts' all-to-alls
@@ -110,9 +109,7 @@ def simulate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, 
     costs = Costs(F=round(F / NS), I=round(I / NS), W=round(W / NS), P=round(P / NS), A=round(A / NS))
     makespan, peaks, simulated, exposed = extrapolated_makespan(schedule, pp, m, chunks, costs,
                                                                 exchanges if A else 0)
-    busy_per_rank = m * visits(schedule, chunks) * (costs.F + costs.I + costs.W)  # the same on every rank
-    return PipelineTime(float(makespan) * NS, float(busy_per_rank) * NS, tuple(peaks), simulated,
-                        float(exposed) * NS)
+    return PipelineTime(float(makespan) * NS, tuple(peaks), simulated, float(exposed) * NS)
 
 
 @dataclass(frozen=True)
@@ -137,4 +134,4 @@ def estimate_step(schedule: str, pp: int, m: int, chunks: int | None, F: float, 
     busy = m * v * (F + I + W)
     idle = float(form.idle) * NS + 2 * (pp - 1) * P
     waits = m * v * 2 * exchanges * A
-    return PipelineTime(busy + idle + waits, busy, tuple(peaks), (), waits)
+    return PipelineTime(busy + idle + waits, tuple(peaks), (), waits)

@@ -113,6 +113,10 @@ def _flags(r: Run) -> str:
         flags += " --sequence-parallel"
     if r.tie_weights:
         flags += " --tie-weights"
+    if r.dropout:
+        flags += " --dropout 0.1"  # predict only asks whether masks are kept
+    if r.experts:
+        flags += f" --experts {r.experts} --top-k {r.top_k} --moe-every {r.moe_every}"
     return flags
 
 
