@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import runpy
 import sys
 from pathlib import Path
 
@@ -17,17 +16,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tutorials"))  # the exercise harness, tutorials/harness/, as the tutorials import it
 from harness import run_check  # noqa: E402
+from tutorial_util import SOLUTIONS, solution  # noqa: E402
 
-SOLUTIONS = REPO / "tutorials" / "solutions"
 TUTORIALS = ["01_autograd", "02_gpt", "03_collectives", "04_data_parallel"]
 NEW = [("01_autograd", "autograd", "check_backward_once", "backward_once"),
        ("02_gpt", "gpt", "check_cross_entropy_grad", "cross_entropy_grad"),
        ("03_collectives", "collectives", "check_bottleneck_bytes", "bottleneck_bytes"),
        ("04_data_parallel", "data_parallel", "check_bucketed_bytes", "bucketed_bytes")]
-
-
-def solution(tutorial, name):
-    return runpy.run_path(str(SOLUTIONS / f"{tutorial}.py"))[name]
 
 
 # --- 01: the reverse sweep of part 1's engine ---------------------------------------------------

@@ -16,19 +16,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tutorials"))  # the exercise harness, as the tutorials import it
 from harness import run_check  # noqa: E402
+from tutorial_util import SOLUTIONS, solution  # noqa: E402
 from harness.checkpointing import check_cheapest_every_k  # noqa: E402
 from harness.schedules import check_interleaved_bubble, check_zb1p_idle_any  # noqa: E402
 from harness.zero import check_zero3_bytes  # noqa: E402
 
-SOLUTIONS = REPO / "tutorials" / "solutions"
 TUTORIALS = ["05_zero", "06_checkpointing", "07_pipeline_schedules", "08_zero_bubble"]
-
-
-def solution(tutorial: str) -> dict:
-    namespace: dict = {}
-    path = SOLUTIONS / f"{tutorial}.py"
-    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102
-    return namespace
 
 
 # -- wrong answers -----------------------------------------------------------------------------------
@@ -105,7 +98,7 @@ def test_the_peak_without_minus_one_is_caught_by_a_named_rule():
     (check_zb1p_idle_any, "08_zero_bubble", "zb1p_idle_any"),
 ])
 def test_the_reference_solution_passes(check, tutorial, name):
-    result = run_check(check, solution(tutorial)[name])
+    result = run_check(check, solution(tutorial, name))
     assert result.status == "correct", result
 
 

@@ -6,7 +6,6 @@ the solution its model answer."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -18,20 +17,12 @@ from mpi_util import run_mpi_json
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tutorials"))  # the exercise harness, as the tutorials import it
 from harness import run_check  # noqa: E402
+from tutorial_util import solution  # noqa: E402
 from harness.composition import check_stage_model_states, reference_stage_model_states  # noqa: E402
 from harness.experts import check_alltoall_bytes  # noqa: E402
 from harness.tensor_parallel import check_tp_allreduce_bytes  # noqa: E402
 
 TUTORIALS = {"09": "09_everything_together", "10": "10_tensor_parallel", "11": "11_experts_and_overlap"}
-
-
-def solution(number: str):
-    """The reference solutions module of tutorial `number` (as grade.py loads it: harness importable)."""
-    path = REPO / "tutorials" / "solutions" / f"{TUTORIALS[number]}.py"
-    spec = importlib.util.spec_from_file_location(f"solution_{number}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # -- 09.4: model states per pipeline rank ---------------------------------------------------------
@@ -69,7 +60,7 @@ WRONG_MODEL_STATES = [
 
 
 def test_09_solution_passes():
-    assert run_check(check_stage_model_states, solution("09").stage_model_states).ok
+    assert run_check(check_stage_model_states, solution(TUTORIALS["09"], "stage_model_states")).ok
 
 
 @pytest.mark.parametrize("wrong, says", WRONG_MODEL_STATES, ids=[w[1][:30] for w in WRONG_MODEL_STATES])
@@ -118,7 +109,7 @@ WRONG_TP = [
 
 
 def test_10_solution_passes():
-    assert run_check(check_tp_allreduce_bytes, solution("10").tp_allreduce_bytes).ok
+    assert run_check(check_tp_allreduce_bytes, solution(TUTORIALS["10"], "tp_allreduce_bytes")).ok
     assert run_check(check_tp_allreduce_bytes, _tp_bytes).ok  # the switchboard's defaults are right
 
 
@@ -166,7 +157,7 @@ WRONG_A2A = [
 
 
 def test_11_solution_passes():
-    assert run_check(check_alltoall_bytes, solution("11").alltoall_bytes).ok
+    assert run_check(check_alltoall_bytes, solution(TUTORIALS["11"], "alltoall_bytes")).ok
     assert run_check(check_alltoall_bytes, _a2a).ok  # the switchboard's defaults are right
 
 

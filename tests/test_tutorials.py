@@ -20,6 +20,7 @@ from mpi_util import check_ok, find_mpiexec, run_local
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tutorials"))  # the exercise harness, tutorials/harness/, as the tutorials import it
 from harness import run_check  # noqa: E402
+from tutorial_util import solution  # noqa: E402
 TUTORIALS = sorted((REPO / "tutorials").glob("[0-9][0-9]_*.py"))
 SOLUTIONS = REPO / "tutorials" / "solutions"
 
@@ -256,9 +257,7 @@ def _exposed_without_final_wait(order, cost):
 
 
 def _planning_solution(name):
-    import runpy
-
-    return runpy.run_path(str(SOLUTIONS / "12_planning_a_run.py"))[name]
+    return solution("12_planning_a_run", name)
 
 
 def _states_without_tp(run, first, last):
