@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from fractions import Fraction
 
 import pytest
 from hypothesis import example, given
@@ -311,4 +310,4 @@ def test_mixed_precision_halves_float32s_activation_bytes():
     a = memory_breakdown(run, A100, 1, True, False)["activations"]
     b = memory_breakdown(replace(run, dtype="float32"), A100, 1, True, False)["activations"]
     assert 2 * a == b
-    assert Fraction(a) == a  # whole bytes
+    assert isinstance(a, int) and isinstance(b, int)  # whole bytes
