@@ -3,7 +3,7 @@
 Launch:  python benchmarks/bench_cluster_calibration.py [--cluster FILE] [--steps 5] [--out docs/cluster_calibration.md]
 
 What it does:
-  1. calibrates this machine (`mpiexec -n N python -m refimpl calibrate`, refimpl/cluster/calibrate.py)
+  1. calibrates this machine (`mpiexec -n N python -m refimpl calibrate`, refimpl/tools/cluster/calibrate.py)
      once for every rank count N the configurations use, so that N ranks sharing the cores are
      measured as N ranks (each rank's GEMM, memory and Python rates when all N run at once, with
      the BLAS thread budget refimpl gives each rank); --cluster FILE uses one file for every N;
@@ -36,11 +36,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from refimpl.cluster import hardware  # noqa: E402
-from refimpl.cluster.calibrate import cpu_name  # noqa: E402
-from refimpl.cluster.model import Run, predict  # noqa: E402
+from refimpl.tools.cluster import hardware  # noqa: E402
+from refimpl.tools.cluster.calibrate import cpu_name  # noqa: E402
+from refimpl.tools.cluster.model import Run, predict  # noqa: E402
 from refimpl.data import SortTask  # noqa: E402
-from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 # The GPT of every configuration: width 256, 4 blocks, sequences of 64 tokens (32 digits to sort).
 MODEL = dict(n_layer=4, d_model=256, n_head=4, seq_len=64)
@@ -189,7 +189,7 @@ def page(rows, clusters, command, started, loads) -> str:
         "other processes share spent 8 s per step spinning instead of 0.25",
         "",
         "Measured: `mpiexec -n N python -m refimpl train ... --json`, the step loop's seconds over its steps. "
-        "Predicted: `refimpl.cluster.model.predict` with the cluster that `python -m refimpl calibrate` "
+        "Predicted: `refimpl.tools.cluster.model.predict` with the cluster that `python -m refimpl calibrate` "
         "measured with the same N ranks (`mpiexec -n N`), so that ranks sharing the two cores are measured "
         "sharing them.",
         "",

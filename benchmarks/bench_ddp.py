@@ -23,10 +23,10 @@ import json
 import statistics
 import time
 
-from refimpl.console import log
+from refimpl.tools.console import log
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
-from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
 
 
 def median_step_time(trainer, task, batch_size: int, repeats: int, world) -> float:

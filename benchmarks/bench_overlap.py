@@ -33,14 +33,14 @@ import statistics
 import sys
 import time
 
-from refimpl.console import log
+from refimpl.tools.console import log
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline import Costs
 from refimpl.parallel.pipeline.actions import Overlapped
-from refimpl.parallel.pipeline.render import render_lanes_svg, step_lanes
+from refimpl.tools.render import render_lanes_svg, step_lanes
 from refimpl.parallel.pipeline.simulate import run_step
 from refimpl.parallel.trainer import Trainer
-from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 CONFIGS = (("1f1b", True), ("zb1p", True), ("dualpipe", False), ("dualpipe", True))
 

@@ -4,7 +4,7 @@ Launch:  mpiexec -n 4 python benchmarks/bench_pipeline.py [--costs F=0.02,I=0.02
                                                           --schedules 1f1b,zb1p,dualpipe --steps 4]
 
 Mode: sleep-cost (the executor pads every step with a sleep to a fixed cost; see
-refimpl/parallel/pipeline/timeline.py), so that four ranks on a laptop with two cores show the
+refimpl/tools/timeline.py), so that four ranks on a laptop with two cores show the
 schedules' own bubbles instead of CPU contention. Every schedule runs on pp = 4 ranks (dp = world
 size / 4) on the same tiny GPT with the same global batch, for `--steps` optimizer steps after one
 warm-up step; per step:
@@ -29,11 +29,11 @@ import sys
 import time
 from fractions import Fraction
 
-from refimpl.console import log
+from refimpl.tools.console import log
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline import Costs, build
 from refimpl.parallel.trainer import Trainer
-from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 
 def run_schedule(name: str, world, args, costs: Costs) -> dict:

@@ -21,9 +21,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from refimpl.cluster.hardware import PRESETS  # noqa: E402
-from refimpl.cluster.model import Run  # noqa: E402
-from refimpl.cluster.plan import plan, shape_for  # noqa: E402
+from refimpl.tools.cluster.hardware import PRESETS  # noqa: E402
+from refimpl.tools.cluster.model import Run  # noqa: E402
+from refimpl.tools.cluster.plan import plan, shape_for  # noqa: E402
 
 CASES = (("1.3B", 64, "a100-80gb", 512), ("70B", 1024, "h100-80gb", 1024), ("1T", 4096, "h100-80gb", 3072))
 LIMIT_SECONDS = 30.0
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
               f"{r.schedule if r.pp > 1 else 'no pipeline'}, micro-batch {r.micro_batch_size}, "
               f"MFU {100 * result.best[0].mfu:.1f}%")
         if args.picture and params == "1T":
-            from refimpl.commands.plan import draw
+            from refimpl.tools.commands.plan import draw
             draw(result, PRESETS[cluster], args.picture)
             print(f"wrote {args.picture}")
     verdict = "under" if worst < LIMIT_SECONDS else "OVER"

@@ -1,7 +1,7 @@
 """Tensor parallelism at 4 ranks: the widest GPT under a memory budget, and the cost of tp's all-reduces.
 
 Launch:  python benchmarks/bench_tensor_parallel.py [--only memory|timing] [--no-extras] [--json]
-(it starts every `mpiexec` itself, through refimpl.parallel.launcher's find_mpiexec and
+(it starts every `mpiexec` itself, through refimpl.tools.runtime.launcher's find_mpiexec and
 without_launcher; do not run it under mpiexec)
 
 (1) Memory. At --world 4 ranks and --budget 16MB per rank (decimal, as --mem-budget reads it), the
@@ -25,7 +25,7 @@ without_launcher; do not run it under mpiexec)
 
 (2) Time. bench_engine.py's model (CONFIG and BATCH there: d_model 256, 4 layers, 4 heads, context
     128, batch 8, float32, vocabulary 64, random tokens; AdamW, clip 1.0 as train) trained by
-    refimpl.train.make_trainer -- as `train` does -- with --timing-tp T ranks (default 2 and 4)
+    refimpl.tools.run.make_trainer -- as `train` does -- with --timing-tp T ranks (default 2 and 4)
     under `mpiexec -n T` (this script in worker mode), and at tp 1 in one process (LocalTrainer,
     no MPI) for comparison. One BLAS thread per rank (OMP_NUM_THREADS=1 and threadpoolctl). In the
     worker the blocking collectives of trainer.mesh.tp_comm (allreduce, allgather, reduce_scatter:
@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from refimpl.memory import format_bytes, parse_bytes  # noqa: E402
-from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 MEMORY_CONFIGS = {  # name: train flags
     "tp 4": ["--tp", "4"],
@@ -104,7 +104,7 @@ def trial(args, d_model: int, flags: list) -> dict:
 
 def whole_params(args, d_model: int) -> int:
     """Ψ of the unsharded GPT (train --json's n_params under --tp counts one rank's shard)."""
-    from refimpl.train import TrainConfig, build_model, build_task  # noqa: PLC0415
+    from refimpl.tools.run import TrainConfig, build_model, build_task  # noqa: PLC0415
 
     cfg = TrainConfig(model="gpt", n_layer=args.n_layer, d_model=d_model, n_head=args.n_head, seq_len=args.seq_len)
     return build_model(cfg, build_task(cfg)).num_parameters()
@@ -193,7 +193,7 @@ def worker(args) -> None:
     from refimpl.nn import GPT, GPTConfig  # noqa: PLC0415
     from refimpl.parallel import watchdog  # noqa: PLC0415
     from refimpl.parallel.comm import get_world  # noqa: PLC0415
-    from refimpl.train import TrainConfig, make_trainer  # noqa: PLC0415
+    from refimpl.tools.run import TrainConfig, make_trainer  # noqa: PLC0415
 
     with threadpool_limits(limits=1):
         world = get_world("mpi")

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 MODEL = ["--model", "gpt", "--d-model", "256", "--n-layer", "4", "--n-head", "4", "--seq-len", "128",
          "--batch-size", "8", "--dtype", "float32"]

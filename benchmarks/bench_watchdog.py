@@ -5,9 +5,9 @@ Launch:  python benchmarks/bench_watchdog.py [--ranks 2] [--repeats 5] [--json] 
 Runs the same `train` command under `mpiexec -n RANKS`, alternating two variants, --repeats times
 each:
 
-  with     as every run is: the watchdog thread (refimpl/parallel/watchdog.py; every blocking MPI call
+  with     as every run is: the watchdog thread (refimpl/tools/runtime/watchdog.py; every blocking MPI call
            records what it waits for) and, before step 1, the agreement on flags, data and model
-           (refimpl/agreement.py);
+           (refimpl/tools/runtime/agreement.py);
   without  --timeout 0 (no watchdog thread, no call watched) and the agreement replaced by nothing.
 
 Each run measures, on rank 0, the wall time of the whole command (startup, agreement, steps,
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from refimpl.parallel.launcher import find_mpiexec, launcher_rank, without_launcher
+from refimpl.tools.runtime.launcher import find_mpiexec, launcher_rank, without_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRAIN = ["--model", "gpt", "--steps", "40"]
@@ -36,7 +36,7 @@ def one_run() -> None:
     """Inside mpiexec: run `train` as the variant says, print rank 0's wall seconds."""
     variant, flags = sys.argv[2], sys.argv[3:]
     from refimpl import agreement, cli, train  # noqa: PLC0415
-    from refimpl.commands import train as train_command  # noqa: PLC0415
+    from refimpl.tools.commands import train as train_command  # noqa: PLC0415
 
     if variant == "without":
         flags = flags + ["--timeout", "0"]

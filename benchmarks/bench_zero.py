@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from refimpl.memory import STAGE_NAMES, format_bytes, parse_bytes  # noqa: E402
-from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 
 def launch(args, world: int, stage: int, n_layer: int, steps: int, budget: int | None) -> dict | None:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: E402 - the runner's, not a mutant's
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402 - the runner's, not a mutant's
 
 CATALOGUE = REPO / "benchmarks" / "mutations"
 MANIFEST = CATALOGUE / "catalogue.toml"

@@ -22,7 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from refimpl.parallel.pipeline import Overlapped, build
-from refimpl.parallel.pipeline.render import render_lanes_svg, step_lanes
+from refimpl.tools.render import render_lanes_svg, step_lanes
 from refimpl.parallel.pipeline.simulate import Costs, run_step
 
 ROOT = Path(__file__).resolve().parents[1]

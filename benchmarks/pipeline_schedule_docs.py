@@ -42,7 +42,7 @@ def run_command(command: str) -> str:
     argv = shlex.split(command)
     out = io.StringIO()
     if argv[:4] == ["python", "-m", "refimpl", "schedule"]:
-        from refimpl.commands import schedule as schedule_command
+        from refimpl.tools.commands import schedule as schedule_command
 
         parser = argparse.ArgumentParser(prog="python -m refimpl schedule")
         schedule_command.add_arguments(parser)

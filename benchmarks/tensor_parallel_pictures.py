@@ -14,7 +14,7 @@ Each picture is one column per rank of the group, time running downwards, one bo
 the block as refimpl runs it (refimpl/parallel/tensor_parallel/gpt.py, layers.py, operators.py),
 coloured by what the rank holds: the whole activation (the same on every rank), its slice of the
 heads or columns, or its sequence shard; an orange bar is a collective over the group. The SVG is
-written as text, like the schedule pictures (refimpl/parallel/pipeline/render.py): no matplotlib,
+written as text, like the schedule pictures (refimpl/tools/render.py): no matplotlib,
 integer coordinates only, so the files are the same on every machine.
 """
 

@@ -9,7 +9,7 @@ Every generated block in the document sits between
     <!-- end generated -->
 
 where COMMAND is `python -m refimpl memory ...` (run in this process), `mpiexec -n N python -m
-refimpl memory ...`, `python benchmarks/zero_budget_demo.py ...` or `python benchmarks/fits_demo.py`
+refimpl memory ...`, `python benchmarks/zero_budget_demo.py ...` or `python benchmarks/preflight_demo.py`
 (run as subprocesses). The block is replaced by the command and its output in a code block.
 Every number in those outputs is an
 exact count (bytes held, bytes sent, formulas), so the page can be checked: with --check this
@@ -38,13 +38,13 @@ import doc_blocks  # noqa: E402
 def run_command(command: str) -> str:
     """Run one documented command and return its stdout."""
     sys.path.insert(0, str(ROOT))
-    from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: PLC0415
+    from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: PLC0415
 
     argv = shlex.split(command)
     env = without_launcher()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if argv[:4] == ["python", "-m", "refimpl", "memory"]:
-        from refimpl.commands import memory as memory_command  # noqa: PLC0415
+        from refimpl.tools.commands import memory as memory_command  # noqa: PLC0415
 
         parser = argparse.ArgumentParser(prog="python -m refimpl memory")
         memory_command.add_arguments(parser)
@@ -54,11 +54,11 @@ def run_command(command: str) -> str:
         return out.getvalue()
     if argv[0] == "mpiexec" and argv[3:7] == ["python", "-m", "refimpl", "memory"]:
         cmd = [find_mpiexec() or "mpiexec", *argv[1:3], sys.executable, *argv[4:]]
-    elif argv[:2] in (["python", "benchmarks/zero_budget_demo.py"], ["python", "benchmarks/fits_demo.py"]):
+    elif argv[:2] in (["python", "benchmarks/zero_budget_demo.py"], ["python", "benchmarks/preflight_demo.py"]):
         cmd = [sys.executable, *argv[1:]]
     else:
         raise ValueError(f"cannot run {command!r}: only the memory command, benchmarks/zero_budget_demo.py "
-                         "and benchmarks/fits_demo.py")
+                         "and benchmarks/preflight_demo.py")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{command} exited {done.returncode}:\n{done.stderr[-2000:]}")

@@ -115,7 +115,7 @@ def argv_of(command: str) -> list[str]:
     argv = shlex.split(command)
     if argv[0] == "mpiexec":
         i = argv.index("python")
-        from refimpl.parallel.launcher import find_mpiexec  # noqa: PLC0415
+        from refimpl.tools.runtime.launcher import find_mpiexec  # noqa: PLC0415
 
         mpiexec = find_mpiexec()
         if mpiexec is None:
@@ -128,7 +128,7 @@ def argv_of(command: str) -> list[str]:
 
 def run(command: str, expected_code: int = 0, merge: bool = False) -> str:
     """The command's output (stdout, or stdout and stderr interleaved with merge=True)."""
-    from refimpl.parallel.launcher import without_launcher  # noqa: PLC0415
+    from refimpl.tools.runtime.launcher import without_launcher  # noqa: PLC0415
 
     env = without_launcher()  # a documented mpiexec starts a job of its own
     env.pop("REFIMPL_TUTORIAL_SOLUTIONS", None)
@@ -296,7 +296,7 @@ def picture(name: str) -> str:
         return runpy.run_path(str(PICTURES[name]))["svg"](name)
     import argparse as _argparse  # noqa: PLC0415
 
-    from refimpl.commands import schedule as command  # noqa: PLC0415
+    from refimpl.tools.commands import schedule as command  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{name}.svg"

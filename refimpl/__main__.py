@@ -1,5 +1,5 @@
 import sys
 
-from refimpl.cli import main
+from refimpl.tools.cli import main
 
 sys.exit(main())

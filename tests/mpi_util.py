@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from refimpl.parallel.launcher import find_mpiexec, without_launcher
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "mpi_programs"

@@ -1,4 +1,4 @@
-"""`python -m refimpl calibrate` and its fit (refimpl/cluster/calibrate.py). No timing assertions:
+"""`python -m refimpl calibrate` and its fit (refimpl/tools/cluster/calibrate.py). No timing assertions:
 the measured numbers are only checked to be positive and finite, and the file to load."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mpi_util import check_ok, last_json, run_local, run_mpi
 
-from refimpl.cluster import hardware
-from refimpl.cluster.calibrate import allreduce_link, block_operations, fit_alpha_beta
+from refimpl.tools.cluster import hardware
+from refimpl.tools.cluster.calibrate import allreduce_link, block_operations, fit_alpha_beta
 
 
 def test_fit_recovers_alpha_and_beta_exactly():

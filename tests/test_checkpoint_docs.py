@@ -17,7 +17,7 @@ def test_the_tables_are_up_to_date():
     blocks = BLOCK.findall(DOC.read_text())
     assert len(blocks) == 1, "the page has one generated block"
     current = report.markdown(report.chain_rows(), *report.gpt_rows())
-    assert blocks[0] == current, "run: python -m refimpl.checkpointing.report, and paste its output"
+    assert blocks[0] == current, "run: python -m refimpl.tools.checkpoint_tables, and paste its output"
 
 
 def test_the_quoted_error_is_the_real_one():

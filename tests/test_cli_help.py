@@ -22,13 +22,13 @@ def test_description_follows_the_commands_that_are_there():
 
 
 def test_commands_live_in_refimpl_commands_and_nowhere_else_parses_flags():
-    """Issue 15, item 4: the command-line code is refimpl/commands/ (and cli.py, which dispatches);
+    """Issue 15, item 4: the command-line code is refimpl/tools/commands/ (and cli.py, which dispatches);
     the libraries and algorithm packages hold no argparse and print no JSON summaries."""
     from pathlib import Path  # noqa: PLC0415
 
-    assert all(module.startswith("refimpl.commands.") for module, _ in cli.COMMANDS.values())
+    assert all(module.startswith("refimpl.tools.commands.") for module, _ in cli.COMMANDS.values())
     package = Path(cli.__file__).parent
-    scripts = {"checkpointing/report.py": "prints the tables of docs/checkpointing.md (python -m refimpl.checkpointing.report)"}
+    scripts = {"checkpointing/report.py": "prints the tables of docs/checkpointing.md (python -m refimpl.tools.checkpoint_tables)"}
     parsing, printing = [], []
     for path in sorted(package.rglob("*.py")):
         name = path.relative_to(package).as_posix()
@@ -39,5 +39,5 @@ def test_commands_live_in_refimpl_commands_and_nowhere_else_parses_flags():
             parsing.append(name)
         if "emit_json" in text:
             printing.append(name)
-    assert not parsing, f"argparse outside refimpl/commands/: {parsing}"
-    assert not printing, f"JSON summaries printed outside refimpl/commands/: {printing}"
+    assert not parsing, f"argparse outside refimpl/tools/commands/: {parsing}"
+    assert not printing, f"JSON summaries printed outside refimpl/tools/commands/: {printing}"

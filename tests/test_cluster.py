@@ -1,4 +1,4 @@
-"""The cluster model (refimpl/cluster/): its terms are refimpl's tested formulas and simulator.
+"""The cluster model (refimpl/tools/cluster/): its terms are refimpl's tested formulas and simulator.
 
 No timing here: calibration and speed live in benchmarks/ (bench_cluster_calibration.py,
 bench_plan.py). What is checked: the pipeline's extrapolation equals the full simulation; the
@@ -19,14 +19,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from refimpl import cli
-from refimpl.cluster import hardware
-from refimpl.cluster.collectives import Group, Links
-from refimpl.cluster.hardware import PRESETS, Cluster
-from refimpl.cluster.model import (Efficiency, Run, action_times, matmul_parameters, memory_breakdown, parameters,
+from refimpl.tools.cluster import hardware
+from refimpl.tools.cluster.collectives import Group, Links
+from refimpl.tools.cluster.hardware import PRESETS, Cluster
+from refimpl.tools.cluster.model import (Efficiency, Run, action_times, matmul_parameters, memory_breakdown, parameters,
                                    predict, rank_parameters)
-from refimpl.cluster.pipeline import _makespan, estimate_step, extrapolated_makespan, simulate_step
-from refimpl.cluster.plan import candidates, plan, shape_for
-from refimpl.cluster.published import TOLERANCE, checks
+from refimpl.tools.cluster.pipeline import _makespan, estimate_step, extrapolated_makespan, simulate_step
+from refimpl.tools.cluster.plan import candidates, plan, shape_for
+from refimpl.tools.cluster.published import TOLERANCE, checks
 from refimpl.memory import PRECISIONS, model_state_bytes, paper_table
 from refimpl.parallel.pipeline import Costs
 from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step, saved_bytes_per_block
@@ -299,8 +299,8 @@ def test_cluster_files_load_and_bad_ones_say_what_is_wrong(tmp_path):
 
 
 def test_the_operations_per_block_are_the_engines():
-    from refimpl.cluster import model
-    from refimpl.cluster.calibrate import block_operations
+    from refimpl.tools.cluster import model
+    from refimpl.tools.cluster.calibrate import block_operations
     assert model.OPERATIONS_PER_BLOCK == block_operations()
     assert model.OPERATIONS_PER_DROPOUT_BLOCK == block_operations(dropout=0.1)
 

@@ -52,7 +52,7 @@ def test_explicit_abort_with_message():
 
 
 def test_agree_raises_every_distinct_problem_on_every_rank_and_names_the_ranks_that_had_it():
-    from refimpl.parallel.failure import AgreedError, agree  # noqa: PLC0415
+    from refimpl.tools.runtime.failure import AgreedError, agree  # noqa: PLC0415
 
     class Gathered:  # what allgather_object returns on every rank
         def __init__(self, problems):

@@ -80,7 +80,7 @@ def test_drawn_collectives(n, drawn):
 @pytest.mark.mpi
 def test_thread_budget_under_mpiexec():
     """Two ranks on this node share its cores; the failure handler is installed."""
-    from refimpl.parallel.threads import available_cores
+    from refimpl.tools.runtime.threads import available_cores
 
     info = run_mpi_json(2, [PROGRAMS / "world_info.py"], timeout=60, env={name: None for name in USER_THREADS})
     expected = max(1, available_cores() // 2)

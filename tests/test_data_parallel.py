@@ -57,7 +57,7 @@ def test_mismatched_flags_between_ranks_are_a_clear_error(tmp_path):
     script = tmp_path / "mismatch.py"
     script.write_text(
         "import os, sys\n"
-        "from refimpl.cli import main\n"
+        "from refimpl.tools.cli import main\n"
         "rank = int(os.environ.get('PMI_RANK', '0'))\n"
         "sys.exit(main(['train', '--model', 'mlp', '--steps', '2', '--lr', str(0.01 * (rank + 1))]))\n")
     done = run_mpi(2, [script], timeout=300)
@@ -77,7 +77,7 @@ def test_verify_fails_loudly_when_the_distributed_run_is_wrong(tmp_path):
         "    for p in self.params:\n"
         "        p.data *= 1.0 + 1e-6  # a tiny, systematic error\n"
         "data_parallel.DataParallel.end_step = end_step\n"
-        "from refimpl.cli import main\n"
+        "from refimpl.tools.cli import main\n"
         "sys.exit(main(['verify', '--model', 'mlp', '--dtype', 'float64', '--json']))\n")
     done = run_mpi(2, [script], timeout=300)
     assert done.returncode == 1
@@ -90,7 +90,7 @@ def test_bad_input_on_one_rank_only_ends_every_rank(tmp_path):
     script = tmp_path / "one_rank_fails.py"
     script.write_text(
         "import os, sys\n"
-        "from refimpl.cli import main\n"
+        "from refimpl.tools.cli import main\n"
         "from refimpl.parallel.comm import get_world\n"
         "get_world()\n"
         "rank = int(os.environ.get('PMI_RANK', '0'))\n"

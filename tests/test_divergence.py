@@ -10,16 +10,16 @@ same terms in another order, far from changing that).
 import numpy as np
 import pytest
 
-import refimpl.train as train_module
+import refimpl.tools.run as train_module
 from mpi_util import last_json, run_local, run_mpi
-from refimpl.train import TrainConfig, TrainingDiverged, train
+from refimpl.tools.run import TrainConfig, TrainingDiverged, train
 
 DIVERGING = ["--optimizer", "sgd", "--clip", "0", "--lr", "1e6", "--n-layer", "2", "--d-model", "16", "--n-head", "2",
              "--batch-size", "24", "--steps", "8", "--json"]
 # cli.main, then each rank's exit status into a file of its own: mpiexec reports one status for the job.
 REPORT_EXIT = ("import os, sys\n"
-               "from refimpl.cli import main\n"
-               "from refimpl.parallel.launcher import launcher_rank\n"
+               "from refimpl.tools.cli import main\n"
+               "from refimpl.tools.runtime.launcher import launcher_rank\n"
                "code = main(sys.argv[1:])\n"
                "with open(os.path.join(os.environ['EXIT_DIR'], str(launcher_rank())), 'w') as f:\n"
                "    f.write(str(code))\n"

@@ -22,7 +22,7 @@ from refimpl.autograd.gradcheck import gradcheck
 from refimpl.autograd.tensor import Tensor
 from refimpl.nn.batch_rows import batch_rows
 from refimpl.nn.experts import MoE, keep_within_capacity
-from refimpl.train import TrainConfig
+from refimpl.tools.run import TrainConfig
 
 
 def make(E=4, K=2, C=6, capacity=None, seed=0, aux=0.01):
@@ -180,7 +180,7 @@ def test_bad_expert_flags_are_one_line_errors(fields, message):
 
 
 def _pinned_experts():
-    from refimpl.sweep import SMALL
+    from refimpl.tools.sweep import SMALL
 
     configs = []
     for i, (E, K) in enumerate((E, K) for E in (2, 4, 8) for K in (1, 2)):
@@ -208,7 +208,7 @@ def test_every_expert_count_and_k_with_and_without_pipelines_equals_single_proce
 def _expert_parallel_configs():
     """Every valid (E, K, P) at 4 ranks: without a pipeline (dp 4: P 1, 2, 4 where P divides E) and
     in a 2-stage pipeline (dp 2: P 1, 2), ZeRO stages and schedules varied along the list."""
-    from refimpl.sweep import SMALL
+    from refimpl.tools.sweep import SMALL
 
     configs, i = [], 0
     for E in (2, 4, 8):
@@ -308,7 +308,7 @@ def test_the_balance_loss_gradient_follows_the_loss_scale():
 
 def test_mixed_precision_with_experts_trains_and_verify_says_why_it_does_not_compare(capsys):
     from refimpl import cli
-    from refimpl.train import train
+    from refimpl.tools.run import train
 
     summary = train(TrainConfig(model="gpt", experts=4, top_k=2, dtype="mixed", steps=20, batch_size=8, n_layer=1,
                                 d_model=16, n_head=2, seq_len=8), progress=False)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpi_util import PROGRAMS, run_local, run_mpi
-from refimpl.parallel.watchdog import verdict
+from refimpl.tools.runtime.watchdog import verdict
 
 INJECT = PROGRAMS / "inject_fault.py"
 TIMEOUT = 3  # the watchdog's --timeout in these tests
@@ -94,7 +94,7 @@ def check_fault(world: int, rank: int, at: str, kind: str, tmp_path: Path) -> No
         assert f"[rank {rank}]" in done.stderr, what
     complete = [int(s) for s in fault.group(5).split(",") if s]
     if complete:  # the steps that were complete before the fault are intact, and resume finds one
-        from refimpl.saved_runs import sharded  # noqa: PLC0415
+        from refimpl.tools.saved_runs import sharded  # noqa: PLC0415
 
         for step in complete:
             sharded.read_step(sharded.step_directory(str(save_dir), step))
@@ -165,7 +165,7 @@ def test_a_bad_timeout_is_refused(value):
 
 def per_rank_script(tmp_path: Path, body: str) -> Path:
     script = tmp_path / "per_rank.py"
-    script.write_text("import os, sys\nfrom refimpl.parallel.launcher import launcher_rank\nrank = launcher_rank()\n" + body)
+    script.write_text("import os, sys\nfrom refimpl.tools.runtime.launcher import launcher_rank\nrank = launcher_rank()\n" + body)
     return script
 
 
@@ -175,7 +175,7 @@ def test_ranks_reading_different_files_under_one_path_are_refused(tmp_path):
         (tmp_path / f"node{rank}" / "input.txt").write_text(text)
     script = per_rank_script(tmp_path, (
         f"os.chdir({str(tmp_path)!r} + f'/node{{rank}}')  # a per-node working directory\n"
-        "from refimpl.cli import main\n"
+        "from refimpl.tools.cli import main\n"
         "sys.exit(main(['train', '--data', 'input.txt', '--seq-len', '8', '--steps', '2', '--batch-size', '4']))\n"))
     done = run_mpi(2, [script], timeout=300)
     assert done.returncode == 2, done.stderr
@@ -189,7 +189,7 @@ def test_ranks_running_different_code_are_refused(tmp_path):
     script = per_rank_script(tmp_path, (
         "import refimpl\n"
         "if rank == 1:\n    refimpl.__version__ = '0.0.1'  # another install on another node\n"
-        "from refimpl.cli import main\n"
+        "from refimpl.tools.cli import main\n"
         "sys.exit(main(['train', '--model', 'mlp', '--steps', '2']))\n"))
     done = run_mpi(2, [script], timeout=300)
     assert done.returncode == 2, done.stderr
@@ -223,13 +223,13 @@ def waiting(waited, call="allreduce over ranks 0-3"):
     return {"progress_age": waited, "waiting": call, "waited": waited}
 
 
-def running(age, where="refimpl/train.py:12 in train"):
+def running(age, where="refimpl/tools/run.py:12 in train"):
     return {"progress_age": age, "where": where}
 
 
 def test_the_verdict_names_the_ranks_that_did_not_arrive_and_where_the_others_wait():
     report = verdict({0: waiting(301), 1: running(305), 3: waiting(300)}, 4, 300)
-    assert report.startswith("watchdog: no progress for 300 s. Did not arrive: rank 1 (running refimpl/train.py:12 in "
+    assert report.startswith("watchdog: no progress for 300 s. Did not arrive: rank 1 (running refimpl/tools/run.py:12 in "
                              "train, no progress for 305 s); rank 2 (no answer: stopped, exited, or its node is lost). "
                              "Waiting: ranks 0, 3 in allreduce over ranks 0-3 (for 301 s). ")
 

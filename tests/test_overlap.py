@@ -11,7 +11,7 @@ from mpi_util import PROGRAMS, last_json, run_mpi
 from refimpl.autograd import grad_mode
 from refimpl.nn import batch_rows
 from refimpl.parallel.pipeline import overlap
-from refimpl.sweep import SMALL
+from refimpl.tools.sweep import SMALL
 
 
 def test_tasks_alternate_at_pause_points_and_keep_their_own_state():

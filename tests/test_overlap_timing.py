@@ -18,9 +18,9 @@ from refimpl.parallel.pipeline import Costs, build, simulate
 from refimpl.parallel.pipeline import timeline as tl
 from refimpl.parallel.pipeline.actions import Action, Overlapped
 from refimpl.parallel.pipeline.overlap import Interleaver, Link, pause, running
-from refimpl.parallel.pipeline.render import render_lanes_svg, step_lanes
+from refimpl.tools.render import render_lanes_svg, step_lanes
 from refimpl.parallel.pipeline.simulate import run_step
-from refimpl.sweep import SMALL
+from refimpl.tools.sweep import SMALL
 
 FB = Overlapped(Action("F", 0, 3, 0), Action("B", 3, 1, 1))  # a DualPipe F&B: stage 0 forward, stage 3 backward
 TWO = {0: 2, 3: 2}  # one MoE layer per stage: dispatch and combine

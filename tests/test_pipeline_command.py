@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from refimpl.commands import schedule as command
+from refimpl.tools.commands import schedule as command
 
 
 def run(argv, capsys):
@@ -119,7 +119,7 @@ def test_png_needs_matplotlib(tmp_path, capsys):
     ],
 )
 def test_bad_input_is_one_line_error_exit_2(argv, message, capsys):
-    from refimpl.cli import main
+    from refimpl.tools.cli import main
 
     assert main(["schedule", *argv]) == 2
     err = capsys.readouterr().err
@@ -140,7 +140,7 @@ def test_module_entry_point_json_is_the_last_stdout_line():
 
 
 def test_schedules_need_no_mpi():
-    code = "import sys, refimpl.commands.schedule; assert 'mpi4py' not in sys.modules"
+    code = "import sys, refimpl.tools.commands.schedule; assert 'mpi4py' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -149,7 +149,7 @@ def test_svg_pictures_are_well_formed_xml():
     import pathlib
     import xml.etree.ElementTree as ET
 
-    from refimpl.parallel.pipeline.render import render_svg
+    from refimpl.tools.render import render_svg
     from refimpl.parallel.pipeline.schedules import build
     from refimpl.parallel.pipeline.simulate import Costs, simulate
 

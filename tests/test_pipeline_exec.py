@@ -19,11 +19,11 @@ from refimpl.parallel.comm import LocalComm
 from refimpl.parallel.pipeline import Costs, build, simulate, step_messages
 from refimpl.parallel.pipeline import timeline as tl
 from refimpl.parallel.pipeline.executor import RunRecord, StepTime, channel_tag, replay_peak
-from refimpl.parallel.pipeline.render import step_label
+from refimpl.parallel.pipeline.actions import step_label
 from refimpl.parallel.pipeline.stage import split_model, stage_sizes
 from refimpl.parallel.trainer import Trainer
-from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
-from refimpl.compare import compare_arrays
+from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.compare import compare_arrays
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]
 

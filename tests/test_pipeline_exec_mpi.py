@@ -261,7 +261,7 @@ def test_a_failure_inside_one_ranks_step_ends_the_whole_job_instead_of_hanging(t
         "        raise RuntimeError('stage exploded on purpose')\n"
         "    return original(self, action)\n"
         "executor.PipelineExecutor._do = _do\n"
-        "from refimpl.cli import main\n"
+        "from refimpl.tools.cli import main\n"
         "sys.exit(main(['train', '--pp', '4', '--schedule', 'dualpipe', '--micro-batches', '8', '--n-layer', '4',\n"
         "               '--steps', '2', '--batch-size', '16']))\n")
     done = run_mpi(4, [script], timeout=300)

@@ -12,8 +12,8 @@ import pytest
 from mpi_util import run_local, run_local_json, run_mpi_json
 from test_zero import run_mpi_error
 
-from refimpl.saved_runs import sharded
-from refimpl.train import TrainConfig, build_model, build_task, train
+from refimpl.tools.saved_runs import sharded
+from refimpl.tools.run import TrainConfig, build_model, build_task, train
 
 pytestmark = pytest.mark.mpi
 

@@ -15,9 +15,9 @@ import pytest
 from mpi_util import run_local, run_mpi, run_mpi_json
 from test_zero import run_mpi_error
 
-from refimpl.parallel.failure import AgreedError
-from refimpl.saved_runs import fingerprint, safe_files, sharded
-from refimpl.train import TrainConfig, train
+from refimpl.tools.runtime.failure import AgreedError
+from refimpl.tools.saved_runs import fingerprint, safe_files, sharded
+from refimpl.tools.run import TrainConfig, train
 
 BASE = dict(model="gpt", n_layer=1, d_model=8, n_head=2, seq_len=8, dtype="float64", batch_size=4, steps=6,
             lr=1e-2, dropout=0.1)

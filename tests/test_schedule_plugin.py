@@ -13,9 +13,9 @@ from fractions import Fraction
 
 import pytest
 
-from refimpl.cli import main
+from refimpl.tools.cli import main
 from refimpl.parallel.pipeline import Costs, Schedule, build, simulate, validate
-from refimpl.commands.schedule import schedule_name
+from refimpl.tools.commands.schedule import schedule_name
 from refimpl.parallel.pipeline.schedules import is_plugin
 
 from mpi_util import REPO, run_mpi_json

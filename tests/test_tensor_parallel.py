@@ -5,7 +5,7 @@
   * the pinned list of the issue, each against single-process training (verify's comparison,
     float64, rtol 1e-10), many configurations per MPI launch: tp 2 and 4, dp x tp, tp x pp with
     every schedule, 8 ranks dp2 x tp2 x pp2, every ZeRO stage, checkpointing, dropout, tied
-    embeddings, sequence parallelism (drawn ones: tests/test_verify_drawn.py, refimpl/sweep.py);
+    embeddings, sequence parallelism (drawn ones: tests/test_verify_drawn.py, refimpl/tools/sweep.py);
   * bytes sent by the tp group in a step equal formulas.bytes_per_step exactly, by kind, and the
     parameters every tp rank holds whole stay bit-for-bit equal across the group;
   * bad input: one clear line, the same on every rank.
@@ -22,7 +22,7 @@ from mpi_util import PROGRAMS, last_json, run_mpi
 from test_verify_drawn import verify_many
 
 from refimpl.parallel.tensor_parallel import Split, padded
-from refimpl.sweep import SMALL
+from refimpl.tools.sweep import SMALL
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from refimpl.data import IGNORE, SortTask, SpiralsTask, TextTask
-from refimpl.train import TrainConfig, train
+from refimpl.tools.run import TrainConfig, train
 
 
 def test_sort_task_is_learned_to_95_percent_in_400_steps():
@@ -115,8 +115,8 @@ def test_empty_text_file_is_a_clear_error(tmp_path):
 
 
 def test_import_and_one_process_training_never_import_mpi4py():
-    code = ("import sys, refimpl, refimpl.train, refimpl.cli; refimpl.cli.build_parser();"
-            "from refimpl.train import TrainConfig, train; train(TrainConfig(model='mlp', steps=1), progress=False);"
+    code = ("import sys, refimpl, refimpl.tools.run, refimpl.tools.cli; refimpl.tools.cli.build_parser();"
+            "from refimpl.tools.run import TrainConfig, train; train(TrainConfig(model='mlp', steps=1), progress=False);"
             "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

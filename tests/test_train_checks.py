@@ -8,7 +8,7 @@ import pytest
 
 from refimpl import cli
 from refimpl.memory import parse_bytes
-from refimpl.train import TrainConfig
+from refimpl.tools.run import TrainConfig
 
 REFUSED = [
     (["--lr", "nan"], "--lr must be positive and finite, got nan; try 3e-3"),

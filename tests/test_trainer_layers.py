@@ -41,7 +41,7 @@ def test_a_layer_in_one_process_sees_every_action_and_changes_nothing():
 
     from refimpl.parallel.comm import LocalComm
     from refimpl.parallel.trainer import Trainer
-    from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
+    from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
     cfg = TrainConfig(model="gpt", dtype="float64", n_layer=2, d_model=16, n_head=2, seq_len=8, batch_size=8,
                       grad_accum=2)

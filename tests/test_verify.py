@@ -8,11 +8,11 @@ import pytest
 
 from mpi_util import PROGRAMS, REPO, last_json, run_local, run_mpi, run_mpi_json
 
-from refimpl.compare import compare_arrays, compare_step
-from refimpl.sweep import draw_flags, numpy_chooser
-from refimpl.compare_mixed import mixed_tolerance
-from refimpl.commands.train import config_from_args
-from refimpl.commands.verify import add_arguments
+from refimpl.tools.compare import compare_arrays, compare_step
+from refimpl.tools.sweep import draw_flags, numpy_chooser
+from refimpl.tools.compare_mixed import mixed_tolerance
+from refimpl.tools.commands.train import config_from_args
+from refimpl.tools.commands.verify import add_arguments
 
 BROKEN = REPO / "tests" / "trainers" / "broken.py"
 EXAMPLE = REPO / "docs" / "examples" / "flat_allreduce_trainer.py"
@@ -214,7 +214,7 @@ def test_a_loss_scale_that_is_never_divided_out_fails_far_beyond_the_tolerance(t
         "    finally:\n"
         "        self.scaler.scale = scale\n"
         "optimizer.ShardedOptimizer.step = step\n"
-        "from refimpl.cli import main\n"
+        "from refimpl.tools.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n")
     args = [script, "verify", *MIXED, "--zero", "1", "--batch-size", "8", "--optimizer", "sgd", "--clip", "0", "--json"]
     done = run_mpi(2, args, timeout=300)

@@ -1,6 +1,6 @@
 """Property tests: drawn configurations train exactly like one process (float64, rtol 1e-10).
 
-hypothesis draws configurations from the space `verify --sweep` draws from (refimpl/sweep.py:
+hypothesis draws configurations from the space `verify --sweep` draws from (refimpl/tools/sweep.py:
 ZeRO 0-3, built-in and ring collectives, naive and bucketed DDP, gradient accumulation, AdamW and
 SGD, clipping, the GPT with dropout and checkpointing that recomputes (>= 4 blocks; every:K, sqrt,
 revolve), the MLP, every pipeline schedule with GPT and MLP stages on dp x pp meshes, every ZeRO
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from mpi_util import PROGRAMS, last_json, run_mpi
 
-from refimpl.sweep import SMALL, draw_flags
+from refimpl.tools.sweep import SMALL, draw_flags
 
 pytestmark = pytest.mark.mpi
 

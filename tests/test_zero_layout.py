@@ -14,7 +14,7 @@ from refimpl.parallel.comm import LocalComm
 from refimpl.parallel.trainer import Trainer
 from refimpl.parallel.zero.flat import FlatGroup, bucket_groups, module_units, padded_length
 from refimpl.optim.precision import LossScaler
-from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 
 def named(*sizes):

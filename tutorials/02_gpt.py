@@ -105,13 +105,13 @@ print(f"initial loss {initial:.3f}; ln V = ln {task.vocab_size} = {np.log(task.v
 # %% [markdown]
 # ## 3. Training
 #
-# `LocalTrainer` (in `refimpl/train.py`) is the single-process training step: forward and
+# `LocalTrainer` (in `refimpl/tools/run.py`) is the single-process training step: forward and
 # backward on the batch, gradient clipping, an AdamW step, gradients zeroed. Every distributed
 # trainer in refimpl is verified against it (tutorial 04).
 
 # %%
 from refimpl.optim import AdamW
-from refimpl.train import LocalTrainer, evaluate
+from refimpl.tools.run import LocalTrainer, evaluate
 
 trainer = LocalTrainer(model, AdamW(model.parameters(), lr=3e-3, weight_decay=0.0), clip=1.0)
 start = time.perf_counter()

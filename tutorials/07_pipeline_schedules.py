@@ -18,7 +18,7 @@ from fractions import Fraction
 
 from refimpl.parallel.pipeline import Costs, ScheduleError, build, simulate, validate
 from refimpl.parallel.pipeline.actions import Action, linear_placement, make_schedule
-from refimpl.parallel.pipeline.render import render_svg, render_text
+from refimpl.tools.render import render_svg, render_text
 
 # %% [markdown]
 # ## 1. A schedule is a list of actions per rank

@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 from refimpl.parallel.pipeline import Costs, build, closed_form, simulate
-from refimpl.parallel.pipeline.render import render_text
+from refimpl.tools.render import render_text
 
 p, m = 4, 8
 costs = Costs(F=1, I=1, W=1)

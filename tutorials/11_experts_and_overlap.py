@@ -409,9 +409,9 @@ print(f"expert parallel {result['expert_parallel']}; all-to-all(v) bytes per ran
 PROGRAM = f"""
 import json
 import numpy as np
-from refimpl.commands.train import config_from_flags
+from refimpl.tools.commands.train import config_from_flags
 from refimpl.parallel.comm import get_world
-from refimpl.train import build_model, build_task, make_trainer
+from refimpl.tools.run import build_model, build_task, make_trainer
 
 def run(world, flags):
     cfg = config_from_flags(flags)

@@ -8,7 +8,7 @@
 # Tutorials 04 to 11 each measured one technique exactly on a few processes. Before a run on
 # hundreds of GPUs the questions are different: does it fit in 80 GB per GPU, how long is a step,
 # and which of dp × tp × pp, ZeRO stage and recomputation is fastest? refimpl's cost model
-# (`refimpl/cluster/model.py`; its docstring states every term) answers them with the formulas
+# (`refimpl/tools/cluster/model.py`; its docstring states every term) answers them with the formulas
 # refimpl's executed code is tested against, the pipeline simulator, and a cluster's data sheet.
 # `python -m refimpl predict` prints one configuration; `plan` searches many and `calibrate`
 # measures this machine (docs/cluster_model.md shows both). This tutorial
@@ -28,9 +28,9 @@ import time
 
 import numpy as np
 
-from refimpl.cluster.hardware import PRESETS, Cluster
-from refimpl.cluster.model import EFFICIENCY, Run, matmul_parameters, memory_breakdown, predict
-from refimpl.commands.predict import report
+from refimpl.tools.cluster.hardware import PRESETS, Cluster
+from refimpl.tools.cluster.model import EFFICIENCY, Run, matmul_parameters, memory_breakdown, predict
+from refimpl.tools.commands.predict import report
 from refimpl.memory import PRECISIONS, format_bytes
 from harness import last_json, run_mpi
 
@@ -42,7 +42,7 @@ from harness import last_json, run_mpi
 # DGX node, a pipeline of 16 stages, 8 data-parallel replicas, a global batch of 1536 sequences in
 # micro-batches of one, full recomputation, 1F1B. We add ZeRO-1 (the optimizer states sharded over
 # the 8 replicas). A `Run` holds the flags of `predict`; the preset `a100-80gb` is a DGX A100's
-# data sheet (`refimpl/cluster/hardware.py`). The same on the command line:
+# data sheet (`refimpl/tools/cluster/hardware.py`). The same on the command line:
 # `python -m refimpl predict --n-layer 96 --d-model 12288 --n-head 96 --batch-size 1536 --tp 8
 # --pp 16 --dp 8 --zero 1 --checkpoint full`.
 
@@ -233,9 +233,9 @@ for flags, degrees in ((["--tp", "2", "--zero", "3"], dict(dp=2, tp=2, zero=3, m
 
 # %%
 from refimpl.autograd import Tensor
-from refimpl.commands.train import config_from_flags
+from refimpl.tools.commands.train import config_from_flags
 from refimpl.parallel.comm import get_world
-from refimpl.train import build_model, build_task, make_trainer
+from refimpl.tools.run import build_model, build_task, make_trainer
 
 
 def best_of(fn, repeat):
@@ -295,7 +295,7 @@ print(f"one step of the sorting GPT: predicted {guess.step_seconds * 1e3:.2f} ms
 #
 # ## Exercises
 #
-# Each function takes a `refimpl.cluster.model.Run` (`run.n_layer`, `run.d_model`, `run.n_head`,
+# Each function takes a `refimpl.tools.cluster.model.Run` (`run.n_layer`, `run.d_model`, `run.n_head`,
 # `run.seq_len`, `run.vocab_size`, `run.batch_size`, `run.micro_batch_size`, `run.dp`, `run.tp`,
 # `run.pp`, `run.zero`, `run.dtype`, `run.checkpoint`; `run.micro_batches` = m, `run.gpus` =
 # dp·tp·pp) and a cluster where needed (`cluster.flops(run.dtype)`: the peak, `cluster.intra_bandwidth`:

@@ -457,7 +457,7 @@ def grade_capstone(spec: str, pp: int, micro_batches: int, bubble_below: float |
     if not run_verify:
         grades.append(grade(3, "equivalent to one process", "not done", "--no-verify"))
         return grades
-    from refimpl.parallel.launcher import find_mpiexec, without_launcher  # noqa: PLC0415
+    from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: PLC0415
 
     mpiexec = find_mpiexec()
     if mpiexec is None:

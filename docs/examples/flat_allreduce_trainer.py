@@ -11,7 +11,7 @@ full_parameters(); record_grads and last_grads; world_size, rank and report().
 Two ways to check it. `make_trainer(cfg, model, world)` is what `verify --trainer` calls: verify
 and `verify --sweep N` then check this trainer exactly as they check refimpl's own. main() does by
 hand what verify does: it trains the trainer and, on rank 0, train.LocalTrainer on the same
-global batches from the same initial weights, and compares every step with refimpl.compare at
+global batches from the same initial weights, and compares every step with refimpl.tools.compare at
 verify's tolerances. --average (or make_averaging_trainer) introduces a classic bug (dividing the
 summed gradients by the number of ranks, although refimpl's loss is already normalised by the
 global batch): the check fails. Exits 0 when the runs agree, 1 otherwise, on every rank. See
@@ -28,8 +28,8 @@ import numpy as np
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
 from refimpl.optim import clip_grad_norm_
 from refimpl.parallel.comm import get_world
-from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
-from refimpl.compare import TOLERANCES, Comparison, compare_step
+from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.compare import TOLERANCES, Comparison, compare_step
 
 
 class FlatAllReduceTrainer:

@@ -69,11 +69,10 @@ request advances one step per successful test (an all-to-all's: one pairwise exc
 buffer must not be touched until its request completes.
 
 The world. `get_world()` returns the world communicator, created once: a LocalComm unless the
-process runs under mpiexec (one of launcher.LAUNCHER_VARIABLES, e.g. PMI_RANK or
+process runs under mpiexec (one of LAUNCHER_VARIABLES, e.g. PMI_RANK or
 OMPI_COMM_WORLD_SIZE, in the environment; REFIMPL_MPI=1 forces MPI, 0 forbids it). Creating the
-MPI world also installs the failure handler (failure.py: an exception on any rank aborts the job
-with "[rank R] ErrorType: message") and, with more than one rank, the BLAS thread budget
-(threads.py). Launch: `mpiexec -n 4 python -m refimpl ...`.
+MPI world tells the installed `Guard` (below), through which the tools make a failure on any rank
+end the job instead of hanging it. Launch: `mpiexec -n 4 python -m refimpl ...`.
 
 CuPy. Arrays reach MPI only through staging.HostCopies, in MPIComm: a device array goes to MPI
 directly when the MPI library is CUDA-aware, else through a host copy (copied back into the device
@@ -85,7 +84,6 @@ logical buffer either way. `transfer_report()` says which route this run takes (
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import faulthandler
@@ -99,15 +97,66 @@ from collections import deque
 import numpy as np
 
 from refimpl import backend
-from refimpl.parallel import failure, ring, staging, threads, watchdog
-from refimpl.parallel.launcher import LAUNCHER_VARIABLES
+from refimpl.parallel import ring, staging
 
 COLLECTIVES = ("mpi", "ring")
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-_NOT_WATCHED = contextlib.nullcontext()  # the context of a call the watchdog need not know about
+_NOT_WATCHED = contextlib.nullcontext()  # the context of a call no guard needs to know about
 INIT_TIMEOUT_S = 60.0  # default of REFIMPL_INIT_TIMEOUT: how long MPI_Init may wait for the others
 ABORT_GRACE_S = 0.25  # seconds between printing an abort's message and killing the job
 MAX_TAG = 32767  # the largest tag every MPI library must accept
+# The environment variables by which MPI launchers tell a process that it is a rank of a job
+# (MPICH's Hydra and Intel MPI, Open MPI, PMIx launchers such as Slurm's srun, MVAPICH).
+LAUNCHER_VARIABLES = (
+    "PMI_RANK",  # MPICH (hydra), Intel MPI
+    "PMI_SIZE",
+    "PMIX_RANK",  # Open MPI 5, Slurm with PMIx
+    "OMPI_COMM_WORLD_SIZE",  # Open MPI
+    "MPI_LOCALNRANKS",  # MPICH (hydra)
+    "MV2_COMM_WORLD_SIZE",  # MVAPICH
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Guards: how a tool watches the communicators without this module knowing the tool
+# ------------------------------------------------------------------------------------------------
+
+
+class Guard:
+    """What a tool may install around every communicator (the default does nothing).
+
+    MPI has no timeouts and no error propagation: a rank that waits for a peer that died waits
+    forever. The core only says *when* something happens; the tools decide what to do about it
+    (refimpl/tools/runtime/guards.py installs a failure handler, a watchdog and a thread budget):
+
+        world_created(MPI, world, local_ranks)   once, after MPI_Init, before anything else runs
+        waiting(comm, kind, peer)                a context around every blocking MPI call
+        progress()                               this rank has done something (an operation completed,
+                                                 a pipeline action ran)
+    """
+
+    def world_created(self, MPI, world: "MPIComm", local_ranks: int) -> None:
+        pass
+
+    def waiting(self, comm: "Comm", kind: str, peer: int | None = None):
+        return _NOT_WATCHED
+
+    def progress(self) -> None:
+        pass
+
+
+_guard = Guard()
+
+
+def install_guard(guard: Guard) -> None:
+    """Watch every communicator with `guard` (before the world is created, to see its creation)."""
+    global _guard
+    _guard = guard
+
+
+def progress() -> None:
+    """Tell the installed guard that this rank has made progress."""
+    _guard.progress()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -580,11 +629,6 @@ class Comm:
         ("device", "none" or null) and host_staged_buffers (host copies so far); staging.py."""
         return dict(staging.NO_MPI_REPORT)
 
-    @property
-    def thread_budget(self):
-        """The BLAS thread decision of this process (threads.ThreadBudget), or None."""
-        return threads.current()
-
     # -- what a subclass provides ------------------------------------------------------------------
     # _mpi_allreduce / _mpi_reduce_scatter / _mpi_allgather / _mpi_bcast / _mpi_barrier(blocking):
     #     run MPI's built-in; return None when blocking, else one low-level handle (or None: done)
@@ -615,11 +659,10 @@ class MPIComm(Comm):
     """
 
     def __init__(self, mpi_comm, MPI, collectives: str = "mpi", counters: Counters | None = None,
-                 staging_rule: staging.StagingRule | None = None, watch: "watchdog.Watchdog | None" = None):
+                 staging_rule: staging.StagingRule | None = None):
         super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size(), collectives, counters or Counters())
         self._MPI = MPI
         self._comm = mpi_comm
-        self._watch = watch  # every blocking call below runs inside self._waits(kind)
         with self._waits("communicator creation"):
             self._ring_comm = mpi_comm.Dup()  # ring messages never match the user's point-to-point
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -629,15 +672,9 @@ class MPIComm(Comm):
                                                            MPI.COMM_WORLD.Get_group()))
         self.staging_rule = staging_rule or staging.StagingRule.from_environment(MPI)
 
-    def unwatch(self) -> None:
-        """Stop the watchdog and watch no call of this communicator (or of those split from it later)."""
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
-
     def _waits(self, kind: str, peer: int | None = None):
-        """The context of a blocking MPI call: the watchdog knows what this rank waits for."""
-        return _NOT_WATCHED if self._watch is None else self._watch.waiting(self, kind, peer)
+        """The context of a blocking MPI call: the installed guard knows what this rank waits for."""
+        return _guard.waiting(self, kind, peer)
 
     def transfer_report(self) -> dict:
         return self.staging_rule.report()
@@ -728,7 +765,7 @@ class MPIComm(Comm):
         if not self._MPI.Request.Testall(staging.mpi_requests(handles)):
             return False
         staging.completed(handles)  # received data back into device arrays, before anyone reads it
-        watchdog.progress()
+        _guard.progress()
         return True
 
     def _wait_all(self, handles, what: str = "wait") -> None:
@@ -773,8 +810,7 @@ class MPIComm(Comm):
                                    self.rank if key is None else int(key))
         if sub == self._MPI.COMM_NULL:
             return None
-        return MPIComm(sub, self._MPI, self.collectives, Counters(parent=self.counters), self.staging_rule,
-                       self._watch)
+        return MPIComm(sub, self._MPI, self.collectives, Counters(parent=self.counters), self.staging_rule)
 
     def node_size(self) -> int:
         """Ranks of this communicator on this node (an MPI_COMM_TYPE_SHARED split)."""
@@ -924,17 +960,10 @@ def existing_world() -> Comm | None:
 
 def _create_mpi_world() -> MPIComm:
     MPI = _start_mpi()
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    failure.install(rank, MPI.COMM_WORLD.Abort)
-    watch = None
-    if size > 1:  # a hang becomes an error naming the ranks that did not arrive (watchdog.py)
-        watch = watchdog.Watchdog(MPI.COMM_WORLD.Dup(), MPI, abort=lambda code: _abort_now(MPI, code)).start()
-        atexit.register(watch.stop)  # before mpi4py finalizes MPI
-    world = MPIComm(MPI.COMM_WORLD, MPI, watch=watch)
+    world = MPIComm(MPI.COMM_WORLD, MPI)
     with world._waits("split by node"):
-        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    if size > 1:
-        threads.apply(node.Get_size())
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    _guard.world_created(MPI, world, node.Get_size())
     backend.set_local_rank(node.Get_rank())  # the CuPy backend takes GPU (local rank mod GPUs)
     node.Free()
     return world
@@ -961,11 +990,3 @@ def _start_mpi():
     finally:
         faulthandler.cancel_dump_traceback_later()
     return MPI
-
-
-def _abort_now(MPI, code: int) -> None:
-    """MPI_Abort after a moment for the launcher to forward what was just printed."""
-    sys.stderr.flush()
-    sys.stdout.flush()
-    time.sleep(ABORT_GRACE_S)
-    MPI.COMM_WORLD.Abort(code)

@@ -64,7 +64,7 @@ from refimpl.nn.batch_rows import batch_rows
 from refimpl.objective import count_targets, split_batch
 
 from .mesh import Mesh
-from .pipeline import timeline as tl
+from refimpl.tools import timeline as tl  # TODO layering: timing moves out of the core
 from .pipeline.executor import PipelineExecutor, replay_peak, stage_exchanges
 from .pipeline.schedules import build
 from .pipeline.simulate import Costs
@@ -334,7 +334,7 @@ class Trainer:
 
     def checkpoint_pieces(self) -> list:
         """This rank's share of a sharded checkpoint: the blocks of the stages it is primary for,
-        whole groups only from data-parallel replica 0 (refimpl/saved_runs/sharded.py)."""
+        whole groups only from data-parallel replica 0 (refimpl/tools/saved_runs/sharded.py)."""
         if self.tensor_parallel is not None or self.expert_sharding is not None:
             raise ValueError("sharded checkpoints (--save) of tensor- or expert-parallel runs are not written yet: "
                              "their pieces are slices of parameters or some of the experts; train with --tp 1 "

@@ -20,10 +20,10 @@ import sys
 
 import numpy as np
 
-from refimpl.commands.train import config_from_flags
-from refimpl.console import emit_json
+from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
-from refimpl.train import build_model, build_task, make_trainer
+from refimpl.tools.run import build_model, build_task, make_trainer
 
 
 def check(world, flags: list) -> dict:
@@ -56,7 +56,7 @@ def collapse(world, ep: int) -> dict:
     index): the expert-parallel step still equals one process's, and every token travels to rank 0."""
     from refimpl.nn.experts import MoE
     from refimpl.parallel.trainer import Trainer
-    from refimpl.train import LocalTrainer, TrainConfig, build_optimizer
+    from refimpl.tools.run import LocalTrainer, TrainConfig, build_optimizer
 
     cfg = TrainConfig(model="gpt", experts=4, top_k=1, ep=ep, n_layer=2, d_model=8, n_head=2, seq_len=8, batch_size=8,
                       dtype="float64", clip=0.0)

@@ -3,7 +3,7 @@
     mpiexec -n 3 python tests/mpi_programs/fail.py --rank 1 --error runtime
     (--error: runtime | value | thread | abort)
 
-Without the failure handler (refimpl/parallel/failure.py) the other ranks would wait in the
+Without the failure handler (refimpl/tools/runtime/failure.py) the other ranks would wait in the
 all-reduce forever.
 """
 

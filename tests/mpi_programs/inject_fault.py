@@ -32,7 +32,7 @@ import sys
 import time
 
 from refimpl.parallel import comm as comm_module
-from refimpl.parallel.launcher import launcher_rank
+from refimpl.tools.runtime.launcher import launcher_rank
 
 COMM_METHODS = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "iallgather",
                 "bcast", "ibcast", "barrier", "ibarrier", "send", "recv", "isend", "irecv", "sendrecv",
@@ -105,7 +105,7 @@ def main() -> int:
 
             executor.PipelineExecutor._do = counting(executor.PipelineExecutor._do, countdown, trigger)
         elif moment == "save":
-            from refimpl.saved_runs import safe_files  # noqa: PLC0415
+            from refimpl.tools.saved_runs import safe_files  # noqa: PLC0415
 
             def write_then_fault(write):  # the file is open and half written when the fault comes
                 def half(f):
@@ -124,7 +124,7 @@ def main() -> int:
                 setattr(safe_files, name, wrapped)
         else:
             raise SystemExit(f"unknown --at {args.at}")
-    from refimpl.cli import main as refimpl_main  # noqa: PLC0415
+    from refimpl.tools.cli import main as refimpl_main  # noqa: PLC0415
 
     return refimpl_main(command)
 

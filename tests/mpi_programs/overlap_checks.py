@@ -15,10 +15,10 @@ import sys
 
 import numpy as np
 
-from refimpl.commands.train import config_from_flags
-from refimpl.console import emit_json
+from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
-from refimpl.train import build_model, build_task, make_trainer
+from refimpl.tools.run import build_model, build_task, make_trainer
 
 
 def run(world, flags: list):

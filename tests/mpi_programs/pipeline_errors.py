@@ -13,7 +13,7 @@ import sys
 
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
-from refimpl.train import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=4, m=8, chunks=None, n_layer=4, batch=16, grad_accum=1,
                 action_costs=None, tie=False)

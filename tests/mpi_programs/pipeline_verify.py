@@ -5,7 +5,7 @@ Launch:  mpiexec -n 4 python tests/mpi_programs/pipeline_verify.py '[{"schedule"
 Each configuration (JSON object; defaults below) builds the pipelined Trainer (refimpl/parallel/trainer.py) on the whole world
 (dp = world size / pp), runs `steps` optimizer steps in float64 and, on rank 0, the single-process
 LocalTrainer on the same batches; it records the worst loss / gradient / parameter differences
-(refimpl.compare, rtol 1e-10, atol 1e-12), the executor's point-to-point counters, and the
+(refimpl.tools.compare, rtol 1e-10, atol 1e-12), the executor's point-to-point counters, and the
 trainer's report (peaks, measured timeline). Rank 0 prints one JSON list, one entry per
 configuration, on the last stdout line.
 """
@@ -15,8 +15,8 @@ import sys
 
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
-from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
-from refimpl.compare import Comparison, compare_step
+from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.compare import Comparison, compare_step
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=2, m=4, chunks=None, n_layer=4, d_model=8, n_head=2, seq_len=8,
                 batch=None, steps=2, clip=1.0, checkpoint=None, optimizer="adamw", collectives="mpi",

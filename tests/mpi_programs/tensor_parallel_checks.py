@@ -24,11 +24,11 @@ import numpy as np
 from refimpl import backend
 from refimpl.checkpointing.actions import Restore, simulate_chain
 from refimpl.checkpointing.plans import actions_for
-from refimpl.commands.train import config_from_flags
-from refimpl.console import emit_json
+from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step, parameters_per_rank
-from refimpl.train import build_model, build_task, make_trainer
+from refimpl.tools.run import build_model, build_task, make_trainer
 
 KINDS = ("allreduce", "allgather", "reduce_scatter")
 

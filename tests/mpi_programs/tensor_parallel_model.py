@@ -11,7 +11,7 @@ worst the largest |gradient difference| / max |reference gradient| over every pa
 
 import numpy as np
 
-from refimpl.console import emit_json
+from refimpl.tools.console import emit_json
 from refimpl.nn.batch_rows import batch_rows
 from refimpl.nn.models import GPT, GPTConfig
 from refimpl.parallel.comm import get_world

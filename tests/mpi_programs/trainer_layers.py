@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from refimpl.parallel.comm import get_world
-from refimpl.train import TrainConfig, build_model, build_task, make_trainer
+from refimpl.tools.run import TrainConfig, build_model, build_task, make_trainer
 
 
 class ToyLayer:
@@ -39,7 +39,7 @@ def train(world, cfg, layers):
     trainer = make_trainer(cfg, model, world, distributed=True)
     if layers:  # the same trainer, built with the layer (make_trainer's arguments, plus layers)
         from refimpl.parallel.trainer import Trainer
-        from refimpl.train import build_optimizer
+        from refimpl.tools.run import build_optimizer
 
         model = build_model(cfg, task)
         trainer = Trainer(model, lambda ps: build_optimizer(cfg, ps), world, pp=cfg.pp, schedule=cfg.schedule,

@@ -3,8 +3,8 @@
     mpiexec -n N python tests/mpi_programs/verify_many.py CONFIGS.json
 
 CONFIGS.json holds a list of flag lists (`["--zero", "3", "--clip", "0", ...]`), each a
-`python -m refimpl verify` command line. Each is verified with refimpl.commands.verify.verify_flags, the
-code `verify` and `verify --sweep` run (one comparison, refimpl/compare.py). Rank 0 prints one JSON
+`python -m refimpl verify` command line. Each is verified with refimpl.tools.commands.verify.verify_flags, the
+code `verify` and `verify --sweep` run (one comparison, refimpl/tools/compare.py). Rank 0 prints one JSON
 list on the last stdout line: {"flags", "ok", "tolerance_used", "problems", "skipped_steps",
 "reference_skipped_steps", "trainer"} per configuration, in order.
 """
@@ -12,9 +12,9 @@ list on the last stdout line: {"flags", "ok", "tolerance_used", "problems", "ski
 import json
 import sys
 
-from refimpl.console import emit_json
+from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
-from refimpl.commands.verify import verify_flags
+from refimpl.tools.commands.verify import verify_flags
 
 
 def main() -> None:

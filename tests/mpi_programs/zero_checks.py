@@ -26,13 +26,13 @@ import sys
 
 import numpy as np
 
-from refimpl.compare import compare_arrays, compare_values
+from refimpl.tools.compare import compare_arrays, compare_values
 from refimpl.parallel.comm import get_world
-from refimpl.train import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task, make_trainer
+from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task, make_trainer
 
 
 def tolerance_used(ours: dict, reference: dict, rtol: float = 1e-10, atol: float = 1e-12) -> float:
-    """refimpl.compare's figure: the largest |diff| / (atol + rtol |reference|); inf if anything is not finite."""
+    """refimpl.tools.compare's figure: the largest |diff| / (atol + rtol |reference|); inf if anything is not finite."""
     return compare_arrays(ours, reference, rtol, atol).tolerance_used
 
 

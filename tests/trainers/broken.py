@@ -7,7 +7,7 @@ no_step            lacks step(): not a trainer
 
 import numpy as np
 
-from refimpl.train import make_trainer
+from refimpl.tools.run import make_trainer
 
 
 def nan_on_step_1(cfg, model, world):

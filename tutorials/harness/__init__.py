@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import refimpl
-from refimpl.parallel.launcher import find_mpiexec, without_launcher
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher
 
 ENV = "REFIMPL_TUTORIAL_SOLUTIONS"
 TUTORIALS = Path(__file__).resolve().parents[1]

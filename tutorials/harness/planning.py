@@ -1,5 +1,5 @@
 """Checks for tutorial 12 (planning a run): memory and time of a GPT on a cluster, by hand, against
-refimpl's cost model (refimpl/cluster/model.py).
+refimpl's cost model (refimpl/tools/cluster/model.py).
 
 Each check compares the student's function with the cost model itself (model states and
 activations: `memory_breakdown`, the terms `predict` reports; MFU: `predict`'s own) or with the
@@ -11,10 +11,10 @@ dp, ...): when it equals one of them, the message names it.
 
 from __future__ import annotations
 
-from refimpl.cluster.collectives import Group, Links
-from refimpl.cluster.hardware import PRESETS
-from refimpl.cluster.model import EFFICIENCY, Run, matmul_parameters, memory_breakdown, parameters, predict
-from refimpl.cluster.pipeline import simulate_step
+from refimpl.tools.cluster.collectives import Group, Links
+from refimpl.tools.cluster.hardware import PRESETS
+from refimpl.tools.cluster.model import EFFICIENCY, Run, matmul_parameters, memory_breakdown, parameters, predict
+from refimpl.tools.cluster.pipeline import simulate_step
 from refimpl.memory import PRECISIONS, STAGE_FORMULAS
 
 from . import Wrong, shown

@@ -1,7 +1,7 @@
 """Reference solutions to tutorial 12's exercises (REFIMPL_TUTORIAL_SOLUTIONS=1 selects them), and a
 model answer to its question (at the end)."""
 
-from refimpl.cluster.model import EFFICIENCY
+from refimpl.tools.cluster.model import EFFICIENCY
 from refimpl.memory import PRECISIONS
 
 

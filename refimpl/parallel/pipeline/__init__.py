@@ -10,7 +10,7 @@
                    steady-state idle; exact arithmetic (fractions)
     formulas.py    the published closed forms, and where they are exact
     render.py      text grid, SVG, PNG (matplotlib, optional), Chrome trace
-                   (the `python -m refimpl schedule ...` command is refimpl/commands/schedule.py)
+                   (the `python -m refimpl schedule ...` command is refimpl/tools/commands/schedule.py)
 
     stage.py       the model cut into contiguous stages (GPT, MLP), balanced by layer count
     executor.py    runs one rank's list over a communicator: one posted receive per channel,

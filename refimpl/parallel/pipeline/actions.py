@@ -117,6 +117,25 @@ def format_action(step: Step, short: bool = False) -> str:
     return text
 
 
+def action_label(schedule: Schedule, action: Action) -> str:
+    """Short label: kind and micro-batch, marked for a rank's second (or c-th) stage."""
+    placement = schedule.placement
+    rank = placement.rank_of(action.stage, action.direction)
+    own = placement.stages_of(rank)
+    label = f"{action.kind}{action.mb}"
+    if action.direction is not None:  # DualPipe: the direction tells the two copies apart
+        return label.lower() if action.direction == 1 else label
+    if len(own) == 2 and schedule.chunks == 2:
+        return label.lower() if action.stage == own[1] else label
+    if len(own) > 1:
+        return f"{label}.{own.index(action.stage)}"
+    return label
+
+
+def step_label(schedule: Schedule, step: Step) -> str:
+    return "&".join(action_label(schedule, a) for a in step.parts)
+
+
 def parse_action(text: str, stage: int | None = None, direction: int | None = None) -> Step:
     """Inverse of `format_action`. `stage`/`direction` fill in what a short form leaves out."""
     text = text.strip()

@@ -96,12 +96,11 @@ from refimpl import backend
 from refimpl.autograd import engine
 from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
-from refimpl.parallel import watchdog
+from refimpl.parallel.comm import progress as report_progress
 
 from . import overlap as overlapping
-from .actions import Action, Message, Overlapped, Schedule, format_action, messages_of
+from .actions import Action, Message, Overlapped, Schedule, format_action, messages_of, step_label
 from .overlap import Interleaver, Link
-from .render import step_label
 
 KIND_INDEX = {"act": 0, "grad": 1}
 
@@ -293,7 +292,7 @@ class PipelineExecutor:
                 else:
                     time.sleep(cost - compute)
             end = clock()
-            watchdog.progress()  # a step of the schedule done (its sleep included)
+            report_progress()  # a step of the schedule done (its sleep included)
             for msg in sends:
                 self._send(msg)
             record.steps.append(StepTime(label, kind, start - t0, end - t0, compute,

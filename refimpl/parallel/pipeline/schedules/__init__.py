@@ -14,7 +14,7 @@ constraints and raises ValueError with a one-line message saying what is wrong a
 
 A schedule of your own plugs in by name wherever a built-in one does (`build`, the `schedule`,
 `train` and `verify` commands, `verify --sweep`): MODULE:FUNCTION or path/to/file.py:FUNCTION, a
-generator with the built-ins' signature (the loader is refimpl/plugin.py's, shared with
+generator with the built-ins' signature (the loader is refimpl/tools/plugin.py's, shared with
 `verify --trainer`). Write it from the public API of refimpl.parallel.pipeline: Action, Overlapped,
 Placement (or linear_placement, looped_placement, v_placement, dual_placement), make_schedule, and
 check_counts / fixed_chunks for its constraints; docs/capstone.md works one example through. Unlike
@@ -26,7 +26,7 @@ a missing action, a wrong rank, a deadlock...) is a one-line ValueError that say
 
 from __future__ import annotations
 
-from refimpl.plugin import is_spec, load_function
+from refimpl.tools.plugin import is_spec, load_function
 
 from ..actions import (
     Action,

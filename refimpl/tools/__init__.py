@@ -1,0 +1,1 @@
+"""The tools around the teaching core."""

@@ -1,0 +1,133 @@
+"""`python -m refimpl predict`: memory per GPU and time per step of one configuration on a cluster.
+
+    python -m refimpl predict                                         # GPT-3 XL (1.3B) on one DGX A100
+    python -m refimpl predict --n-layer 96 --d-model 12288 --n-head 96 --batch-size 1536 \\
+        --tp 8 --pp 16 --gpus 1024 --checkpoint full --cluster a100-80gb
+    python -m refimpl predict --cluster local-cluster.json --dtype float32 ...   # this machine, calibrated
+
+The cost model is refimpl/tools/cluster/model.py (its docstring states every term); the cluster a
+preset (a100-80gb, h100-80gb) or a JSON file (`python -m refimpl calibrate` writes one for this
+machine). Flags are train's where train has them; --batch-size is global, in sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from refimpl.tools.cluster import hardware
+from refimpl.tools.cluster.model import CHECKPOINTS, DTYPES, Prediction, Run, predict
+from refimpl.tools.console import emit_json
+from refimpl.memory import format_bytes
+from refimpl.parallel.pipeline.schedules import SCHEDULES
+
+
+def add_model_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The model's flags (predict and plan share them)."""
+    d = (lambda v: v) if defaults else (lambda v: None)
+    p.add_argument("--n-layer", type=int, default=d(24), help="transformer blocks (default 24)")
+    p.add_argument("--d-model", type=int, default=d(2048), help="model width h (default 2048)")
+    p.add_argument("--n-head", type=int, default=d(16), help="attention heads (default 16)")
+    p.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens (default 2048)")
+    p.add_argument("--vocab-size", type=int, default=51200, help="vocabulary (default 51200, GPT-2's padded)")
+    p.add_argument("--batch-size", type=int, default=512, help="global batch in sequences per step (default 512)")
+    p.add_argument("--dtype", choices=DTYPES, default="mixed",
+                   help="mixed: 16-bit training (P = G = 2, K = 12 bytes per parameter) (default); float32; float64")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (> 0 keeps the masks; default 0)")
+    p.add_argument("--tie-weights", action="store_true", help="the head shares the token embedding")
+    p.add_argument("--experts", type=int, default=0, metavar="E", help="mixture of experts: E expert MLPs per MoE block")
+    p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts per token (default 2)")
+    p.add_argument("--moe-every", type=int, default=1, metavar="N", help="every N-th block has experts (default 1)")
+    p.add_argument("--cluster", default="a100-80gb",
+                   help=f"a preset ({', '.join(hardware.PRESETS)}), a JSON file, or 'local' "
+                        f"({hardware.LOCAL_FILE}, written by `python -m refimpl calibrate`) (default a100-80gb)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--gpus", type=int, help="GPUs in all (default dp × tp × pp); must equal dp × tp × pp")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default gpus / (tp × pp), or 8 / (tp × pp))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default 1)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    p.add_argument("--checkpoint", choices=CHECKPOINTS, default="none",
+                   help="activation recomputation: none, selective (attention cores), full (every block) (default none)")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="pipeline schedule (default 1f1b)")
+    p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved; default 2)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp: sequence parallelism")
+
+
+def degrees(gpus: int | None, dp: int | None, tp: int, pp: int) -> tuple[int, int]:
+    """(gpus, dp), checking that the degrees multiply to the GPU count."""
+    for name, value in (("--gpus", gpus), ("--dp", dp), ("--tp", tp), ("--pp", pp)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value}")
+    if dp is None:
+        total = gpus if gpus is not None else max(8, tp * pp)
+        if total % (tp * pp):
+            raise ValueError(f"--gpus {total} is not divisible by tp × pp = {tp} × {pp}; "
+                             f"choose degrees whose product divides the GPU count")
+        dp = total // (tp * pp)
+    if gpus is not None and dp * tp * pp != gpus:
+        raise ValueError(f"dp × tp × pp = {dp} × {tp} × {pp} = {dp * tp * pp}, not --gpus {gpus}; "
+                         f"the degrees must multiply to the GPU count")
+    return dp * tp * pp, dp
+
+
+def run_from_args(args) -> Run:
+    _, dp = degrees(args.gpus, args.dp, args.tp, args.pp)
+    if args.chunks is not None and args.schedule != "interleaved":
+        raise ValueError(f"--chunks is for --schedule interleaved only; drop it for {args.schedule}")
+    return Run(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head, seq_len=args.seq_len,
+               vocab_size=args.vocab_size, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+               dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, checkpoint=args.checkpoint,
+               schedule=args.schedule if args.pp > 1 else "1f1b",
+               chunks=(args.chunks or 2) if args.schedule == "interleaved" and args.pp > 1 else None,
+               sequence_parallel=args.sequence_parallel, dropout=args.dropout > 0, tie_weights=args.tie_weights,
+               experts=args.experts, top_k=args.top_k, moe_every=args.moe_every, ep=args.ep).check()
+
+
+def run(args) -> int:
+    cluster = hardware.load(args.cluster)
+    prediction = predict(run_from_args(args), cluster)
+    if args.json:
+        emit_json(prediction.as_dict())
+    else:
+        print(report(prediction, cluster))
+    return 0
+
+
+def describe(r: Run) -> str:
+    text = (f"L={r.n_layer} h={r.d_model} a={r.n_head} s={r.seq_len} V={r.vocab_size}; dp {r.dp} × tp {r.tp} × "
+            f"pp {r.pp} = {r.gpus} GPUs; ZeRO-{r.zero}, {r.dtype}, checkpoint {r.checkpoint}")
+    if r.pp > 1:
+        text += f", {r.schedule}" + (f" (chunks {r.chunks})" if r.chunks else "")
+    if r.sequence_parallel:
+        text += ", sequence parallel"
+    if r.experts:
+        text += f", {r.experts} experts (top-{r.top_k}, ep {r.ep})"
+    return text + f"; batch {r.batch_size} = {r.micro_batches} micro-batches of {r.micro_batch_size} per replica"
+
+
+def report(p: Prediction, cluster: hardware.Cluster) -> str:
+    lines = [f"{describe(p.run)}", f"cluster {cluster.name}; model {p.parameters / 1e9:.2f}B parameters", ""]
+    total = p.memory_per_gpu_bytes
+    lines.append("memory per GPU (the rank that holds the most)")
+    for part, value in p.memory.items():
+        lines.append(f"  {part:<18} {format_bytes(value):>10}  {100 * value / total:5.1f}%")
+    verdict = "fits" if p.fits else f"does NOT fit: {format_bytes(total - cluster.memory_bytes)} over"
+    lines.append(f"  {'total':<18} {format_bytes(total):>10}  of {format_bytes(cluster.memory_bytes)}: {verdict}")
+    lines.append("")
+    lines.append("time per step (every stage timed as the slowest, the last with the head)")
+    for part, value in p.time.items():
+        if value or part in ("compute", "bubble"):
+            lines.append(f"  {part:<18} {value:10.4g} s  {100 * value / p.step_seconds:5.1f}%")
+    lines.append(f"  {'step':<18} {p.step_seconds:10.4g} s")
+    lines.append("")
+    rate = p.model_flops_per_gpu_per_second
+    scale, prefix = (1e12, "T") if rate >= 1e12 else (1e9, "G")
+    lines.append(f"tokens/s {p.tokens_per_second:.4g}; model FLOP/s per GPU {rate / scale:.1f} {prefix}; "
+                 f"MFU {100 * p.mfu:.1f}% (PaLM's: no recomputation counted)")
+    return "\n".join(lines)

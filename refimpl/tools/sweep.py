@@ -1,0 +1,145 @@
+"""The configurations `verify --sweep N` draws: valid for this world size, as verify flags.
+
+The space drawn from is the one the property tests draw from (tests/test_verify_drawn.py), so a
+user's sweep and CI check the same things: every ZeRO stage (0-3), built-in and ring collectives,
+naive and bucketed DDP, gradient accumulation, AdamW and SGD, clipping on and off, the GPT with
+dropout and activation checkpointing that really recomputes (at least 4 blocks; every:K, sqrt,
+revolve), the MLP, and, where the world size allows, every pipeline schedule on a dp × pp mesh
+(`verify --sweep N --schedule NAME`: only pipelines of that schedule, a schedule of your own included)
+(with every ZeRO stage and checkpointing inside the stages), and tensor parallelism (tp 2 or 4,
+with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
+stage, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
+parallelism over 1, 2 or 4 ranks) without tensor parallelism. All in float64 with small models,
+2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py).
+
+`draw_flags(world_size, choose)` takes the chooser as an argument: `verify --sweep` passes one
+backed by a seeded NumPy generator (the seed is printed; `--sweep-seed` replays a sweep), the
+property tests one backed by hypothesis (`draw(st.sampled_from(options))`), which shrinks a
+failure to a small configuration. Each configuration is a list of command-line flags, so a
+failure prints the one command that reproduces it. The sweep itself -- verify each configuration,
+report, exit status -- is refimpl/tools/commands/verify.py (run_sweep, verify_flags).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--steps", "2", "--dtype", "float64"]
+
+
+def schedule_options(world_size: int, names=None) -> list:
+    """(schedule, pp, [valid micro-batch counts], stages) that build for a pp dividing world_size.
+
+    `names`: these schedules only (built-in names or MODULE:FUNCTION; default every built-in one).
+    A micro-batch count for which a generator raises ValueError is not drawn; for a schedule of your
+    own, a result that the validator (or the executor's receive policy) rejects is an error (a
+    generator must refuse what it cannot build, not return something wrong), and so is a schedule
+    that builds for no (pp, micro-batches).
+    """
+    from refimpl.parallel.pipeline import SCHEDULES, ScheduleError, build  # noqa: PLC0415
+    from refimpl.parallel.pipeline.schedules import build_executable  # noqa: PLC0415
+
+    options = []
+    for pp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
+        for name in names or SCHEDULES:
+            valid, refused = [], None
+            for m in range(1, 2 * max(pp, 2) + 3):
+                try:
+                    built = build(name, pp, m) if name in SCHEDULES else build_executable(name, pp, m)
+                    valid.append((m, built.num_stages))
+                except ScheduleError:
+                    if name not in SCHEDULES:
+                        raise
+                except ValueError as exc:
+                    refused = exc
+            if valid:
+                options.append((name, pp, [m for m, _ in valid], valid[0][1]))
+    if names and not options:
+        raise ValueError(f"--sweep --schedule {' '.join(names)}: builds for no pp dividing {world_size} ranks and "
+                         f"micro-batches 1 to {2 * max(world_size, 2) + 2}"
+                         + (f"; it says: {refused}" if refused else ""))
+    return options
+
+
+def draw_flags(world_size: int, choose, pipeline: bool = True, schedules=None) -> list:
+    """One configuration for `world_size` ranks, as verify flags; choose(name, options) picks one option.
+
+    pipeline=False draws only configurations that use the whole world as one data-parallel group
+    (verify --sweep --trainer: a trainer of your own gets those). `schedules` (a list of names,
+    MODULE:FUNCTION included: verify --sweep --schedule) draws only pipeline configurations, of those
+    schedules.
+    """
+    model = choose("model", ["gpt", "mlp"])
+    flags = ["--model", model, *SMALL,
+             "--optimizer", choose("optimizer", ["adamw", "sgd"]),
+             "--clip", choose("clip", [0.0, 0.05, 1.0]),
+             "--collectives", choose("collectives", ["mpi", "ring"])]
+    if schedules or (pipeline and choose("pipeline", [False, True])):
+        name, pp, micro_batches, stages = choose("schedule", schedule_options(world_size, schedules))
+        m = choose("micro_batches", micro_batches)
+        layers_per_stage = choose("layers_per_stage", [1, 2])
+        n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer
+        tp = _draw_tensor_parallel(flags, world_size // pp, choose) if model == "gpt" else 1
+        if model == "gpt" and tp == 1:
+            _draw_experts(flags, world_size // pp, choose)
+        dp = world_size // (pp * tp)
+        zero = choose("zero", [0, 1, 2, 3])
+        flags += ["--schedule", name, "--pp", pp, "--micro-batches", m, "--n-layer", max(n_layer, 1),
+                  "--batch-size", dp * m * choose("examples_per_micro_batch", [1, 2]),
+                  "--zero", zero, "--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
+        if zero == 3:  # prefetch follows one micro-batch's module order: not with a pipeline
+            flags += ["--param-threshold", choose("param_threshold", [0, 17])]
+        if name == "interleaved":
+            flags += ["--chunks", stages // pp]
+        if model == "gpt" and layers_per_stage > 1:  # recomputation inside a stage
+            flags += ["--checkpoint", choose("stage_checkpoint", ["none", "every:1", "sqrt"])]
+    else:
+        if model == "gpt" and pipeline and _draw_tensor_parallel(flags, world_size, choose) == 1:
+            _draw_experts(flags, world_size, choose)
+        zero = choose("zero", [0, 1, 2, 3])
+        accum = choose("grad_accum", [1, 2, 3])
+        flags += ["--zero", zero, "--grad-accum", accum,
+                  "--batch-size", world_size * accum * choose("examples_per_micro_batch", [1, 2]),
+                  "--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
+        if zero == 0:
+            flags += ["--dp-mode", choose("dp_mode", ["bucketed", "naive"])]
+        if zero == 3:
+            flags += ["--prefetch", choose("prefetch", ["0", "500", "1MB"]),
+                      "--param-threshold", choose("param_threshold", [0, 17])]
+        checkpoint = choose("checkpoint", ["none", "sqrt", "every:2", "revolve:1", "revolve:2"]) if model == "gpt" else "none"
+        n_layer = choose("n_layer_checkpointed", [4, 5]) if checkpoint != "none" else choose("n_layer", [1, 2, 3])
+        flags += ["--n-layer", n_layer, "--checkpoint", checkpoint]
+    if model == "gpt":
+        flags += ["--dropout", choose("dropout", [0.0, 0.1]), "--seed", choose("seed", [0, 1, 2])]
+    return [str(f) for f in flags]
+
+
+def _draw_tensor_parallel(flags: list, ranks: int, choose) -> int:
+    """Draw --tp among the divisors of `ranks` up to 4 (tp 1 as likely as all others together) and,
+    with tp > 1, --sequence-parallel; adds the flags (tp 4 needs 4 heads) and returns tp."""
+    sizes = [t for t in (2, 4) if ranks % t == 0]
+    tp = choose("tp", [1] * max(1, len(sizes)) + sizes)
+    if tp > 1:
+        flags[flags.index("--n-head") + 1] = str(max(2, tp))  # tp 4 needs 4 heads; seq-len 8 divides by each tp
+        flags += ["--tp", tp]
+        if choose("sequence_parallel", [False, True]):
+            flags.append("--sequence-parallel")
+    return tp
+
+
+def _draw_experts(flags: list, dp: int, choose) -> None:
+    """Draw a mixture of experts (E 2, 4 or 8; K 1 or 2; every block or every other one; dropless or
+    a capacity factor of 1; expert parallelism over P ranks, P dividing E and the data-parallel
+    degree dp) for one GPT in two: --experts 0 is as likely as all the others together."""
+    experts = choose("experts", [0, 0, 0, 2, 4, 8])
+    if experts:
+        flags += ["--experts", experts, "--top-k", choose("top_k", [1, 2]), "--moe-every", choose("moe_every", [1, 2]),
+                  "--ep", choose("ep", [p for p in (1, 2, 4) if dp % p == 0 and experts % p == 0])]
+        if choose("capacity", [False, True]):
+            flags += ["--capacity-factor", "1.0"]
+
+
+def numpy_chooser(rng: np.random.Generator):
+    """choose(name, options) backed by a NumPy generator."""
+    return lambda name, options: options[int(rng.integers(len(options)))]
+
