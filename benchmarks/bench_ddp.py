@@ -26,7 +26,8 @@ import time
 from refimpl.tools.console import log
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
-from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.local_trainer import LocalTrainer
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 
 def median_step_time(trainer, task, batch_size: int, repeats: int, world) -> float:

@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from refimpl import fits  # noqa: E402
+from refimpl.tools.runtime import preflight  # noqa: E402
 from refimpl.memory import parse_bytes  # noqa: E402
 from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
-from refimpl.tools.commands.train import add_arguments, config_from_args  # noqa: E402
+from refimpl.tools.flags import add_run_arguments as add_arguments, config_from_args  # noqa: E402
 from refimpl.tools.run import TrainConfig, build_task  # noqa: E402
 
 HUGE = (["--n-layer", "1000000"], ["--seq-len", "10000000"], ["--batch-size", str(10**12)])

@@ -223,7 +223,7 @@ def memory_by_rank(trainer, world=None) -> dict:
     model_state_bytes: [{category: bytes held now}] per rank, the four model-state categories;
     memory_peak_bytes: [{category: peak bytes}] per rank, every category, and "total".
     """
-    ledger = trainer.ledger  # every trainer has one (trainer_protocol.Trainer)
+    ledger = trainer.ledger  # every trainer has one (protocols.Checkpointable)
     mine = {"model_state": ledger.model_state(), "peak": {**ledger.peak(), "total": ledger.peak_total}}
     everyone = [mine] if world is None else world.allgather_object(mine)
     return {"model_state_bytes": [r["model_state"] for r in everyone],

@@ -23,7 +23,7 @@ from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 from refimpl.nn.layers import Block
 from refimpl.optim import AdamW
-from refimpl.tools.run import LocalTrainer
+from refimpl.local_trainer import LocalTrainer
 
 
 def _floats(rng, *shape, positive=False):

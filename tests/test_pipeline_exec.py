@@ -22,7 +22,8 @@ from refimpl.parallel.pipeline.executor import RunRecord, StepTime, channel_tag,
 from refimpl.parallel.pipeline.actions import step_label
 from refimpl.parallel.pipeline.stage import split_model, stage_sizes
 from refimpl.parallel.trainer import Trainer
-from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.local_trainer import LocalTrainer
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 from refimpl.tools.compare import compare_arrays
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]

@@ -10,7 +10,7 @@ from mpi_util import REPO, check_ok, run_local, run_mpi
 
 from refimpl.tools.runtime import preflight
 from refimpl.autograd import saved_tensors
-from refimpl.tools.commands.train import add_arguments, config_from_args
+from refimpl.tools.flags import add_run_arguments as add_arguments, config_from_args
 from refimpl.tools.runtime.failure import AgreedError
 from refimpl.tools.run import TrainConfig, build_model, build_task, evaluate, make_trainer, train
 
@@ -212,8 +212,8 @@ def test_on_the_gpu_the_device_part_is_compared_with_the_gpus_free_memory(monkey
     est = preflight.estimate(cfg, *task_sizes(cfg, task))
     on_device = est.parts["parameters+optimizer"] + est.parts["buffers"] + est.parts["activations"]
     assert est.on_device == on_device
-    monkeypatch.setattr(fits, "_device_memory", lambda: ("GPU 0", on_device))
+    monkeypatch.setattr(preflight, "_device_memory", lambda: ("GPU 0", on_device))
     preflight.check(cfg, task)  # exactly fits
-    monkeypatch.setattr(fits, "_device_memory", lambda: ("GPU 0", on_device - 1))
+    monkeypatch.setattr(preflight, "_device_memory", lambda: ("GPU 0", on_device - 1))
     with pytest.raises(AgreedError, match=r"on this host \(GPU 0\) .* available \(free memory of GPU 0\)"):
         preflight.check(cfg, task)

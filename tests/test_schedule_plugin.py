@@ -15,7 +15,7 @@ import pytest
 
 from refimpl.tools.cli import main
 from refimpl.parallel.pipeline import Costs, Schedule, build, simulate, validate
-from refimpl.tools.commands.schedule import schedule_name
+from refimpl.tools.flags import schedule_name
 from refimpl.parallel.pipeline.schedules import is_plugin
 
 from mpi_util import REPO, run_mpi_json

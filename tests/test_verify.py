@@ -11,7 +11,7 @@ from mpi_util import PROGRAMS, REPO, last_json, run_local, run_mpi, run_mpi_json
 from refimpl.tools.compare import compare_arrays, compare_step
 from refimpl.tools.sweep import draw_flags, numpy_chooser
 from refimpl.tools.compare_mixed import mixed_tolerance
-from refimpl.tools.commands.train import config_from_args
+from refimpl.tools.flags import config_from_args
 from refimpl.tools.commands.verify import add_arguments
 
 BROKEN = REPO / "tests" / "trainers" / "broken.py"

@@ -111,7 +111,8 @@ print(f"initial loss {initial:.3f}; ln V = ln {task.vocab_size} = {np.log(task.v
 
 # %%
 from refimpl.optim import AdamW
-from refimpl.tools.run import LocalTrainer, evaluate
+from refimpl.local_trainer import LocalTrainer
+from refimpl.tools.run import evaluate
 
 trainer = LocalTrainer(model, AdamW(model.parameters(), lr=3e-3, weight_decay=0.0), clip=1.0)
 start = time.perf_counter()

@@ -409,7 +409,7 @@ print(f"expert parallel {result['expert_parallel']}; all-to-all(v) bytes per ran
 PROGRAM = f"""
 import json
 import numpy as np
-from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.flags import config_from_flags
 from refimpl.parallel.comm import get_world
 from refimpl.tools.run import build_model, build_task, make_trainer
 

@@ -233,7 +233,7 @@ for flags, degrees in ((["--tp", "2", "--zero", "3"], dict(dp=2, tp=2, zero=3, m
 
 # %%
 from refimpl.autograd import Tensor
-from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.flags import config_from_flags
 from refimpl.parallel.comm import get_world
 from refimpl.tools.run import build_model, build_task, make_trainer
 

@@ -47,7 +47,7 @@ order, so the strategy reduces over the dp replicas (which run the same list) an
 summed after the loop, in stage order.
 
 What every trainer provides (verify, train, checkpoints and the memory ledger rely on it) is
-refimpl/trainer_protocol.py's `Trainer`.
+refimpl/protocols.py's `Trainer`.
 """
 
 from __future__ import annotations

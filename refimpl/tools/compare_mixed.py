@@ -2,7 +2,7 @@
 
 `verify --dtype mixed` (verify.py) compares a distributed mixed-precision run (float16 parameters
 and gradients, float32 master weights, dynamic loss scaling; optim/precision.py,
-parallel/zero/optimizer.py) with train.LocalTrainer running the same recipe, in lockstep: before
+parallel/zero/optimizer.py) with local_trainer.LocalTrainer running the same recipe, in lockstep: before
 each step the reference takes the distributed run's master weights, optimizer state and loss
 scale. This module holds what that comparison needs beyond refimpl/tools/compare.py: the tolerances
 (mixed_tolerance states the formulas), the measured magnitudes of the partial gradients they are

@@ -9,8 +9,8 @@ MODULE is either a path to a .py file (loaded from that file, whatever the worki
 packages) or a dotted module name, imported as `python -m` would: from the working directory
 first, then PYTHONPATH and the installed packages. Every failure is one ValueError line that names
 the flag and the spec: a malformed spec, a missing file, an import that fails (with its exception),
-a missing or non-callable attribute. What the function must accept and return is the caller's to
-check. This module imports only the standard library, so any layer of refimpl may use it.
+a missing or non-callable attribute. A schedule of your own is checked as it is built
+(`build_plugin_schedule`); a trainer of your own by verify (verification.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
+
+from refimpl.parallel.pipeline.actions import Schedule
+from refimpl.parallel.pipeline.schedules import build
+from refimpl.parallel.pipeline.validate import ScheduleError, validate
 
 _FILES: dict = {}  # (resolved path, mtime_ns) -> module: a file is executed once, not per lookup
 
@@ -74,4 +78,68 @@ def load_function(spec: str, flag: str, example: str):
     return found
 
 
-__all__ = ["is_spec", "load_function"]
+SCHEDULE_EXAMPLE = "docs/examples/my_schedule.py:early_backward"
+
+
+def load_schedule_generator(spec: str):
+    """The generator function that `spec` (MODULE:FUNCTION or FILE.py:FUNCTION) names."""
+    return load_function(spec, "--schedule", SCHEDULE_EXAMPLE)
+
+
+def build_plugin_schedule(spec: str, pp: int, micro_batches: int, chunks: int | None = None) -> Schedule:
+    """Call the generator `spec` names and check what it returns.
+
+    Unlike a built-in, its result is checked as it is built: a ValueError it raises itself (its
+    constraints) passes through with the spec in front; any other exception, a result that is not a
+    Schedule, a Schedule for another pp or micro-batch count, or one that the validator rejects (a
+    missing action, a wrong rank, a deadlock...) is a one-line ValueError that says which.
+    """
+    generator = load_schedule_generator(spec)
+    function = spec.rpartition(":")[2]
+    try:
+        schedule = generator(pp, micro_batches, chunks)
+    except ScheduleError as exc:  # it validated its own result: still the validator's message
+        raise ScheduleError(f"--schedule {spec!r}: invalid schedule for pp={pp}, micro-batches={micro_batches}: "
+                            f"{exc}") from None
+    except ValueError as exc:  # its own constraints, as the built-ins raise them
+        raise ValueError(f"--schedule {spec!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the student's bug, in one line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"--schedule {spec!r}: {function}(pp={pp}, micro_batches={micro_batches}, chunks={chunks}) "
+                         f"raised {type(exc).__name__}: {first}") from None
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"--schedule {spec!r}: {function} returned a {type(schedule).__name__}, not a Schedule; "
+                         f"build one with make_schedule(name, pp, micro_batches, placement, ranks) "
+                         f"(refimpl.parallel.pipeline)")
+    if schedule.pp != pp or schedule.micro_batches != micro_batches:
+        raise ValueError(f"--schedule {spec!r}: asked for pp={pp}, micro-batches={micro_batches}, {function} returned "
+                         f"a schedule for pp={schedule.pp}, micro-batches={schedule.micro_batches}")
+    try:
+        validate(schedule)
+    except ScheduleError as exc:
+        raise ScheduleError(f"--schedule {spec!r}: invalid schedule for pp={pp}, micro-batches={micro_batches}: "
+                            f"{exc}") from None
+    return schedule
+
+
+def build_executable_schedule(spec: str, pp: int, micro_batches: int, chunks: int | None = None) -> Schedule:
+    """build_plugin_schedule, and also runnable by the MPI executor (parallel/executor.py): its lists must
+    complete with one posted receive per (source, kind) channel (validate.py, per_channel)."""
+    schedule = build_plugin_schedule(spec, pp, micro_batches, chunks)
+    if not validate(schedule).per_channel_ok:
+        raise ScheduleError(f"--schedule {spec!r}: valid for pp={pp}, micro-batches={micro_batches}, but its lists "
+                            f"deadlock with one posted receive per (source, kind) channel, the executor's receive "
+                            f"policy (validate.py, per_channel): on each channel, consume the messages in the order "
+                            f"they are sent")
+    return schedule
+
+
+def build_schedule(name: str, pp: int, micro_batches: int, chunks: int | None = None) -> Schedule:
+    """A built-in schedule by name, or a schedule of your own (MODULE:FUNCTION), checked."""
+    if is_spec(name):
+        return build_plugin_schedule(name, pp, micro_batches, chunks)
+    return build(name, pp, micro_batches, chunks)
+
+
+__all__ = ["is_spec", "load_function", "build_schedule", "build_plugin_schedule", "build_executable_schedule",
+           "load_schedule_generator", "SCHEDULE_EXAMPLE"]

@@ -28,7 +28,7 @@ from xml.sax.saxutils import escape  # "3&5" must be "3&amp;5" in SVG text
 import math
 from fractions import Fraction
 
-from refimpl.parallel.pipeline.actions import Schedule, action_label, step_label
+from refimpl.parallel.pipeline.actions import Action, Schedule, step_label
 from refimpl.parallel.pipeline.simulate import Timeline
 
 

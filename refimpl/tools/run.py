@@ -23,21 +23,21 @@ import time
 from dataclasses import asdict, dataclass
 
 from refimpl import backend
-from refimpl.tools.runtime import preflight
-from refimpl.tools.runtime.agreement import check_same_run
 from refimpl.autograd import no_grad, saved_tensors
 from refimpl.checkpointing import count_forward_calls
-from refimpl.tools.console import Progress
 from refimpl.data import SortTask, SpiralsTask, TextTask, accuracy
-from refimpl.memory import memory_by_rank, track_replicated
+from refimpl.local_trainer import LocalTrainer
+from refimpl.memory import memory_by_rank
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
-from refimpl.nn.experts import add_load, describe_load, take_load
 from refimpl.nn import functional as F
-from refimpl.objective import count_targets, micro_batch_loss, split_batch, to_input
-from refimpl.optim import OPTIMIZERS, clip_grad_norm_, scale_to_max_norm_, squared_norm
-from refimpl.optim.precision import LossScaler
-from refimpl.optim.whole_state import load_whole, whole_pieces
-from refimpl.tools.runtime import watchdog
+from refimpl.nn.experts import add_load, describe_load, take_load
+from refimpl.objective import to_input
+from refimpl.optim import OPTIMIZERS
+from refimpl.parallel.trainer import Trainer
+from refimpl.tools.console import Progress
+from refimpl.tools.plugin import build_executable_schedule, is_spec
+from refimpl.tools.runtime import preflight, watchdog
+from refimpl.tools.runtime.agreement import check_same_run
 
 # Per-model defaults (the demo settings); a flag given on the command line overrides them.
 DEFAULTS = {
@@ -141,11 +141,9 @@ class TrainConfig:
     def check_own_schedule(self) -> None:
         """--schedule MODULE:FUNCTION: load it, build it for this run, validate it and check that the
         executor can run it, now, on every rank, before anything trains (the one-line errors:
-        refimpl/parallel/pipeline/schedules/__init__.py)."""
-        from refimpl.parallel.pipeline.schedules import build_executable, is_plugin  # noqa: PLC0415
-
-        if is_plugin(self.schedule):
-            build_executable(self.schedule, self.pp, self.micro_batches or 2 * self.pp, self.chunks)
+        refimpl/tools/plugin.py)."""
+        if is_spec(self.schedule):
+            build_executable_schedule(self.schedule, self.pp, self.micro_batches or 2 * self.pp, self.chunks)
 
     def check_experts(self) -> None:
         """--experts, --top-k, --moe-every, --capacity-factor, --aux-coef and --ep: one line each."""
@@ -253,111 +251,6 @@ def build_optimizer(cfg: TrainConfig, params):
     return OPTIMIZERS["sgd"](params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
 
 
-class LocalTrainer:
-    """Single-process training on the whole global batch: the reference every distributed trainer
-    is checked against (it imports nothing from refimpl.parallel).
-
-    With float16 parameters (--dtype mixed) it follows mixed precision's recipe, as the ZeRO
-    trainers do (optim/precision.py): backward of loss · S into float16 gradients, then in float32
-    g = float32(g16) / S; any non-finite element skips the step and backs the scale off; otherwise
-    clip, update the float32 master weights and copy them into the float16 parameters.
-    """
-
-    world_size, rank = 1, 0
-
-    def __init__(self, model, optimizer, grad_accum: int = 1, clip: float = 0.0, budget: int | None = None) -> None:
-        self.model, self.optimizer, self.grad_accum, self.clip = model, optimizer, grad_accum, clip
-        self.record_grads = False
-        self.last_grads: dict = {}
-        self.steps_done = 0  # the global batch's number, for split-independent dropout masks
-        self.params = model.parameters()
-        self.scaler = LossScaler() if self.params[0].dtype == "float16" else None
-        if self.scaler is not None:  # float32 master weights and their optimizer state
-            self.masters = [p.data.astype("float32") for p in self.params]
-            self.states = [optimizer.init_state(m) for m in self.masters]
-        self.ledger = track_replicated(self.params, optimizer, budget)  # memory by category (memory.py)
-        model.register_forward_hook(lambda module, args, output: self.ledger.check_activations())
-
-    def step(self, x, y) -> float:
-        """Forward and backward over grad_accum micro-batches, clip, step, zero grads; return the loss."""
-        total = count_targets(y)
-        loss_value = 0.0
-        for i, (xm, ym) in enumerate(split_batch(x, y, self.grad_accum, "micro-batches (--grad-accum)")):
-            loss = micro_batch_loss(self.model, xm, ym, total, rows=(i * len(xm), len(x), self.steps_done),
-                                    loss_scale=1.0 if self.scaler is None else self.scaler.scale)
-            (loss if self.scaler is None else loss * self.scaler.scale).backward()
-            loss_value += float(loss.item())
-        if self.scaler is None:
-            if self.clip > 0:
-                clip_grad_norm_(self.params, self.clip)
-            self._record([p.grad for p in self.params])
-            self.optimizer.step()
-        else:
-            self._mixed_precision_step()
-        self.optimizer.zero_grad()
-        self.steps_done += 1
-        return loss_value
-
-    def _mixed_precision_step(self) -> None:
-        xp = backend.xp()
-        grads = [p.grad.astype("float32") if p.grad is not None else xp.zeros(p.shape, "float32") for p in self.params]
-        for g in grads:
-            g *= 1.0 / self.scaler.scale
-        overflow = not all(bool(xp.isfinite(g).all()) for g in grads)
-        if not overflow and self.clip > 0:
-            scale_to_max_norm_(grads, squared_norm(grads), self.clip)
-        self._record(grads)
-        if not overflow:
-            for p, master, g, state in zip(self.params, self.masters, grads, self.states):
-                self.optimizer.update(master, g, state)
-                p.data[...] = master
-        self.scaler.update(overflow)
-
-    def load_mixed_state(self, masters: dict, optimizer_state: dict) -> None:
-        """Take another run's master weights, optimizer state and loss scale (Trainer.full_optimizer_state, parallel/trainer.py)."""
-        load_whole(list(self.model.named_parameters()), self.masters, self.states, masters, optimizer_state["arrays"],
-                   optimizer_state["step"])
-        self.scaler.load_state_dict(optimizer_state["loss_scaler"])
-
-    def _record(self, grads) -> None:
-        if self.record_grads:
-            self.last_grads = {name: backend.to_host(g).copy() for (name, _), g in zip(self.model.named_parameters(), grads)}
-
-    def full_parameters(self) -> dict:
-        """{name: NumPy array} of the whole model (under mixed precision: the float32 master weights)."""
-        if self.scaler is None:
-            return self.model.state_dict()
-        return {name: backend.to_host(m).copy() for (name, _), m in zip(self.model.named_parameters(), self.masters)}
-
-    def report(self) -> dict:
-        if self.scaler is None:
-            return {}
-        return {"precision": "mixed", "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
-
-    def model_for_evaluation(self, model, build):
-        """The model to evaluate: one process holds all of it."""
-        return model
-
-    # -- sharded checkpoints (saved_runs/sharded.py): one process holds the whole state -----------
-    def _whole_state(self) -> tuple[list, list]:
-        """(masters, states): the arrays the optimizer updates and their states, one per parameter."""
-        if self.scaler is not None:
-            return self.masters, self.states
-        return [p.data for p in self.params], self.optimizer.state
-
-    @property
-    def optimizer_steps(self) -> int:
-        states = self._whole_state()[1]
-        return int(states[0]["step"]) if states else 0
-
-    def checkpoint_pieces(self) -> list:
-        """[(name, 0, numel, {"master": array, state key: array})] of every parameter."""
-        return whole_pieces(list(self.model.named_parameters()), *self._whole_state())
-
-    def load_full_state(self, masters: dict, states: dict, step: int) -> None:
-        load_whole(list(self.model.named_parameters()), *self._whole_state(), masters, states, step)
-
-
 @no_grad()
 def evaluate(model, task) -> tuple[float, float]:
     """(loss, accuracy) on the task's held-out batch, in eval mode."""
@@ -384,10 +277,11 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
 
             apply_to_gpt(model, cfg.checkpoint)
         return LocalTrainer(model, build_optimizer(cfg, model.parameters()), cfg.grad_accum, cfg.clip, cfg.mem_budget)
-    from refimpl.parallel.trainer import Trainer  # noqa: PLC0415
-
+    schedule = cfg.schedule  # a built-in's name, or a schedule of your own built and checked here
+    if is_spec(schedule):
+        schedule = build_executable_schedule(schedule, cfg.pp, cfg.micro_batches or 2 * cfg.pp, cfg.chunks)
     return Trainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg),
-                   pp=cfg.pp, schedule=cfg.schedule, micro_batches=cfg.micro_batches, chunks=cfg.chunks,
+                   pp=cfg.pp, schedule=schedule, micro_batches=cfg.micro_batches, chunks=cfg.chunks,
                    grad_accum=cfg.grad_accum, zero=cfg.zero, dp_mode=cfg.dp_mode, bucket_bytes=cfg.bucket_bytes,
                    prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
                    checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace,

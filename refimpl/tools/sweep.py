@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from refimpl.parallel.pipeline import SCHEDULES, ScheduleError, build
+from refimpl.tools.plugin import build_executable_schedule
+
 SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--steps", "2", "--dtype", "float64"]
 
 
@@ -36,8 +39,6 @@ def schedule_options(world_size: int, names=None) -> list:
     generator must refuse what it cannot build, not return something wrong), and so is a schedule
     that builds for no (pp, micro-batches).
     """
-    from refimpl.parallel.pipeline import SCHEDULES, ScheduleError, build  # noqa: PLC0415
-    from refimpl.parallel.pipeline.schedules import build_executable  # noqa: PLC0415
 
     options = []
     for pp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
@@ -45,7 +46,7 @@ def schedule_options(world_size: int, names=None) -> list:
             valid, refused = [], None
             for m in range(1, 2 * max(pp, 2) + 3):
                 try:
-                    built = build(name, pp, m) if name in SCHEDULES else build_executable(name, pp, m)
+                    built = build(name, pp, m) if name in SCHEDULES else build_executable_schedule(name, pp, m)
                     valid.append((m, built.num_stages))
                 except ScheduleError:
                     if name not in SCHEDULES:

@@ -2,7 +2,7 @@
 refimpl/tools/commands/verify.py; this module is what it runs.)
 
 Runs the distributed configuration (under mpiexec, or a world of one process) for K optimizer
-steps, and, on rank 0, the single-process reference — train.LocalTrainer, plain training code that
+steps, and, on rank 0, the single-process reference — local_trainer.LocalTrainer, plain training code that
 imports nothing from refimpl.parallel — on the same global batches from the same initial weights.
 After every step it compares the loss, every parameter's gradient (as used by the optimizer) and
 every parameter with refimpl/tools/compare.py: it passes when every value is finite and
@@ -45,8 +45,9 @@ from refimpl.tools.runtime.agreement import check_same_run
 from refimpl.tools.console import log
 from refimpl.tools.runtime import watchdog
 from refimpl.tools.plugin import load_function
-from refimpl.trainer_protocol import Verifiable, missing
-from refimpl.tools.run import LocalTrainer, build_model, build_optimizer, build_task, make_trainer
+from refimpl.protocols import Verifiable, missing
+from refimpl.local_trainer import LocalTrainer
+from refimpl.tools.run import build_model, build_optimizer, build_task, make_trainer
 
 
 # -- the trainer under test ----------------------------------------------------------------------
@@ -75,7 +76,7 @@ def build_trainer(cfg, world, factory=None, model=None):
     lacking = missing(trainer, Verifiable)
     if lacking:
         raise ValueError(f"--trainer: {type(trainer).__name__} lacks {', '.join(lacking)} of the trainer protocol "
-                         f"(refimpl/trainer_protocol.py, Verifiable; docs/verify_your_algorithm.md)")
+                         f"(refimpl/protocols.py, Verifiable; docs/verify_your_algorithm.md)")
     return trainer
 
 

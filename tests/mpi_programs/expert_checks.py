@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.tools.run import build_model, build_task, make_trainer
@@ -56,7 +56,8 @@ def collapse(world, ep: int) -> dict:
     index): the expert-parallel step still equals one process's, and every token travels to rank 0."""
     from refimpl.nn.experts import MoE
     from refimpl.parallel.trainer import Trainer
-    from refimpl.tools.run import LocalTrainer, TrainConfig, build_optimizer
+    from refimpl.local_trainer import LocalTrainer
+    from refimpl.tools.run import TrainConfig, build_optimizer
 
     cfg = TrainConfig(model="gpt", experts=4, top_k=1, ep=ep, n_layer=2, d_model=8, n_head=2, seq_len=8, batch_size=8,
                       dtype="float64", clip=0.0)

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline import timeline as tl

@@ -15,7 +15,8 @@ import sys
 
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
-from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task
+from refimpl.local_trainer import LocalTrainer
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 from refimpl.tools.compare import Comparison, compare_step
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=2, m=4, chunks=None, n_layer=4, d_model=8, n_head=2, seq_len=8,

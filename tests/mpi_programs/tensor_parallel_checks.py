@@ -24,7 +24,7 @@ import numpy as np
 from refimpl import backend
 from refimpl.checkpointing.actions import Restore, simulate_chain
 from refimpl.checkpointing.plans import actions_for
-from refimpl.tools.commands.train import config_from_flags
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step, parameters_per_rank

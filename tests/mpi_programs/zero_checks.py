@@ -28,7 +28,8 @@ import numpy as np
 
 from refimpl.tools.compare import compare_arrays, compare_values
 from refimpl.parallel.comm import get_world
-from refimpl.tools.run import LocalTrainer, TrainConfig, build_model, build_optimizer, build_task, make_trainer
+from refimpl.local_trainer import LocalTrainer
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task, make_trainer
 
 
 def tolerance_used(ours: dict, reference: dict, rtol: float = 1e-10, atol: float = 1e-12) -> float:

@@ -16,7 +16,7 @@ import time
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.model import Run
 from refimpl.tools.cluster.plan import plan, shape_for, why_slower
-from refimpl.tools.commands.predict import add_model_arguments, describe
+from refimpl.tools.flags import add_model_arguments, describe_run
 from refimpl.tools.console import emit_json, log
 from refimpl.memory import format_bytes, parse_count
 
@@ -62,7 +62,7 @@ def run(args) -> int:
         raise ValueError(f"the model fits nowhere on {args.gpus} GPUs of {cluster.name}: the smallest of "
                          f"{result.searched} configurations needs {format_bytes(least.memory_per_gpu_bytes)} per GPU, "
                          f"{format_bytes(least.memory_per_gpu_bytes - cluster.memory_bytes)} over the "
-                         f"{format_bytes(cluster.memory_bytes)} there is ({describe(least.run)}); add GPUs")
+                         f"{format_bytes(cluster.memory_bytes)} there is ({describe_run(least.run)}); add GPUs")
     if args.plot:
         draw(result, cluster, args.plot)
     if args.json:

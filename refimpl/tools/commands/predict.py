@@ -15,32 +15,11 @@ from __future__ import annotations
 import argparse
 
 from refimpl.tools.cluster import hardware
-from refimpl.tools.cluster.model import CHECKPOINTS, DTYPES, Prediction, Run, predict
+from refimpl.tools.cluster.model import CHECKPOINTS, Prediction, Run, predict
 from refimpl.tools.console import emit_json
+from refimpl.tools.flags import add_model_arguments, describe_run
 from refimpl.memory import format_bytes
 from refimpl.parallel.pipeline.schedules import SCHEDULES
-
-
-def add_model_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """The model's flags (predict and plan share them)."""
-    d = (lambda v: v) if defaults else (lambda v: None)
-    p.add_argument("--n-layer", type=int, default=d(24), help="transformer blocks (default 24)")
-    p.add_argument("--d-model", type=int, default=d(2048), help="model width h (default 2048)")
-    p.add_argument("--n-head", type=int, default=d(16), help="attention heads (default 16)")
-    p.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens (default 2048)")
-    p.add_argument("--vocab-size", type=int, default=51200, help="vocabulary (default 51200, GPT-2's padded)")
-    p.add_argument("--batch-size", type=int, default=512, help="global batch in sequences per step (default 512)")
-    p.add_argument("--dtype", choices=DTYPES, default="mixed",
-                   help="mixed: 16-bit training (P = G = 2, K = 12 bytes per parameter) (default); float32; float64")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (> 0 keeps the masks; default 0)")
-    p.add_argument("--tie-weights", action="store_true", help="the head shares the token embedding")
-    p.add_argument("--experts", type=int, default=0, metavar="E", help="mixture of experts: E expert MLPs per MoE block")
-    p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts per token (default 2)")
-    p.add_argument("--moe-every", type=int, default=1, metavar="N", help="every N-th block has experts (default 1)")
-    p.add_argument("--cluster", default="a100-80gb",
-                   help=f"a preset ({', '.join(hardware.PRESETS)}), a JSON file, or 'local' "
-                        f"({hardware.LOCAL_FILE}, written by `python -m refimpl calibrate`) (default a100-80gb)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,20 +78,8 @@ def run(args) -> int:
     return 0
 
 
-def describe(r: Run) -> str:
-    text = (f"L={r.n_layer} h={r.d_model} a={r.n_head} s={r.seq_len} V={r.vocab_size}; dp {r.dp} × tp {r.tp} × "
-            f"pp {r.pp} = {r.gpus} GPUs; ZeRO-{r.zero}, {r.dtype}, checkpoint {r.checkpoint}")
-    if r.pp > 1:
-        text += f", {r.schedule}" + (f" (chunks {r.chunks})" if r.chunks else "")
-    if r.sequence_parallel:
-        text += ", sequence parallel"
-    if r.experts:
-        text += f", {r.experts} experts (top-{r.top_k}, ep {r.ep})"
-    return text + f"; batch {r.batch_size} = {r.micro_batches} micro-batches of {r.micro_batch_size} per replica"
-
-
 def report(p: Prediction, cluster: hardware.Cluster) -> str:
-    lines = [f"{describe(p.run)}", f"cluster {cluster.name}; model {p.parameters / 1e9:.2f}B parameters", ""]
+    lines = [f"{describe_run(p.run)}", f"cluster {cluster.name}; model {p.parameters / 1e9:.2f}B parameters", ""]
     total = p.memory_per_gpu_bytes
     lines.append("memory per GPU (the rank that holds the most)")
     for part, value in p.memory.items():

@@ -32,20 +32,13 @@ from fractions import Fraction
 from refimpl.tools.console import emit_json, log
 from refimpl.parallel.pipeline.actions import Overlapped, Schedule, format_rank
 from refimpl.parallel.pipeline.formulas import ClosedForm, closed_form
+from refimpl.tools.flags import schedule_name
+from refimpl.tools.plugin import build_schedule
+from refimpl.tools.plugin import is_spec as is_plugin
 from refimpl.tools.render import render_png, render_svg, render_text, render_trace
-from refimpl.parallel.pipeline.schedules import EXAMPLE, SCHEDULES, build, is_plugin
+from refimpl.parallel.pipeline.schedules import SCHEDULES, build
 from refimpl.parallel.pipeline.simulate import Costs, Timeline, simulate
 from refimpl.parallel.pipeline.validate import Report, validate
-
-
-def schedule_name(text: str) -> str:
-    """argparse `type` of a schedule's name (here, train and verify): a built-in name, or MODULE:FUNCTION
-    of your own (loaded and checked later, when it is built)."""
-    if text in SCHEDULES or is_plugin(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"invalid choice: {text!r} (choose from {', '.join(SCHEDULES)}, or MODULE:FUNCTION / FILE.py:FUNCTION "
-        f"for a schedule of your own, e.g. {EXAMPLE})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +93,7 @@ def scaled_costs(schedule: Schedule, costs: Costs, per_action: bool) -> Costs:
 
 
 def analyse(name: str, pp: int, m: int, chunks, costs: Costs, per_action: bool, latency):
-    schedule = build(name, pp, m, chunks)
+    schedule = build_schedule(name, pp, m, chunks)
     report = validate(schedule)
     action_costs = scaled_costs(schedule, costs, per_action)
     timeline = simulate(schedule, action_costs, latency)
@@ -363,4 +356,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "run", "schedule_name", "action_json", "summary"]
+__all__ = ["add_arguments", "run", "action_json", "summary"]

@@ -30,9 +30,10 @@ import shlex
 import numpy as np
 
 from refimpl import backend
-from refimpl.tools.commands.train import add_arguments as add_train_arguments, config_from_args
+from refimpl.tools.flags import add_run_arguments, config_from_args
 from refimpl.tools.console import emit_json, log
-from refimpl.parallel.pipeline.schedules import is_plugin, load_generator
+from refimpl.tools.plugin import is_spec as is_plugin
+from refimpl.tools.plugin import load_schedule_generator
 from refimpl.tools.sweep import schedule_options, draw_flags, numpy_chooser
 from refimpl.tools.run import get_world
 from refimpl.tools.verification import load_trainer_factory, verify_config
@@ -41,7 +42,7 @@ DEFAULT_STEPS = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_train_arguments(p)
+    add_run_arguments(p)
     p.set_defaults(dtype="float64")  # verification is done in float64 (see refimpl/tools/verification.py)
     p.add_argument("--rtol", type=float, help="relative tolerance (float64 1e-10, float32 1e-5)")
     p.add_argument("--atol", type=float, help="absolute tolerance (float64 1e-12, float32 1e-6)")
@@ -66,7 +67,7 @@ def check(args) -> None:
         if args.trainer:
             raise ValueError("--sweep --trainer draws data-parallel configurations only; drop --schedule, or --trainer")
         if is_plugin(args.schedule):
-            load_generator(args.schedule)  # a missing module or function: one line, before the sweep starts
+            load_schedule_generator(args.schedule)  # a missing module or function: one line, before the sweep starts
     if args.sweep is None:
         config_from_args(args).check()
 

@@ -100,6 +100,7 @@ from dataclasses import dataclass, field
 
 from refimpl import backend
 from refimpl.memory import bytes_per_parameter, format_bytes, model_state_bytes, parse_bytes
+from refimpl.tools.plugin import build_schedule
 
 PROCESS_BYTES = 64 * 10**6  # the interpreter with NumPy and refimpl imported: about 30 MB RSS measured
 GRAPH_OBJECT_BYTES = 64_000  # Python objects of one block's graph per micro-batch: about 41 kB measured
@@ -280,11 +281,10 @@ def _pipeline(cfg, rank: int, world_size: int) -> tuple[int, int, int]:
     per_rank = {"interleaved": cfg.chunks or 2, "zbv": 2, "dualpipe": 2, "dualpipev": 2}.get(cfg.schedule or "1f1b", 1)
     stages = pp if cfg.schedule == "dualpipe" else pp * per_rank
     if stages * M <= BUILD_SCHEDULE_UP_TO:
-        from refimpl.parallel.pipeline.schedules import build  # noqa: PLC0415
         from refimpl.parallel.pipeline.simulate import peak_in_flight  # noqa: PLC0415
 
         try:
-            schedule = build(cfg.schedule or "1f1b", pp, M, cfg.chunks)
+            schedule = build_schedule(cfg.schedule or "1f1b", pp, M, cfg.chunks)
             if world_size % pp:
                 raise ValueError("the world does not divide into pp stages")
         except ValueError:

@@ -8,7 +8,7 @@
 
 Every trainer saves through this package: LocalTrainer, and the one distributed Trainer whatever
 its gradient strategy (DDP, ZeRO 0-3) and pipeline (parallel/trainer.py), through the trainer
-protocol's `checkpoint_pieces()` and `load_full_state()` (refimpl/trainer_protocol.py). Nothing
+protocol's `checkpoint_pieces()` and `load_full_state()` (refimpl/protocols.py). Nothing
 here is specific to ZeRO, so it does not live in parallel/zero/.
 
 Why "saved runs" and not "checkpoints": refimpl/checkpointing/ is *activation* checkpointing,

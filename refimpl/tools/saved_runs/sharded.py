@@ -62,7 +62,7 @@ from refimpl.tools.console import log
 from refimpl.tools.runtime import watchdog
 from refimpl.tools.runtime.failure import AgreedError, agree
 from refimpl.tools.saved_runs import fingerprint, safe_files
-from refimpl.trainer_protocol import Trainer, missing
+from refimpl.protocols import Checkpointable, missing
 
 FORMAT = "refimpl-sharded-checkpoint/2"  # /2 adds the run's fingerprint
 READABLE = (FORMAT, "refimpl-sharded-checkpoint/1")
@@ -114,10 +114,10 @@ def _os_error(exc: OSError) -> str:
 
 def _pieces(trainer, model) -> tuple[list, int]:
     """([(name, start, stop, {"master": array, state key: array})], optimizer step) of this rank."""
-    lacking = missing(trainer, Trainer)
+    lacking = missing(trainer, Checkpointable)
     if lacking:
         raise ValueError(f"sharded checkpoints need a trainer with {', '.join(lacking)} "
-                         f"(refimpl/trainer_protocol.py); {type(trainer).__name__} lacks them")
+                         f"(refimpl/protocols.py); {type(trainer).__name__} lacks them")
     return trainer.checkpoint_pieces(), trainer.optimizer_steps
 
 

@@ -1,6 +1,6 @@
 """What every trainer provides: the interface that train, verify, checkpoints and the memory ledger use.
 
-Two classes implement all of it: train.LocalTrainer (one process, the reference every distributed
+Two classes implement all of it: local_trainer.LocalTrainer (one process, the reference every distributed
 run is compared with; it imports nothing from refimpl.parallel) and parallel.trainer.Trainer
 (every distributed configuration). A trainer of your own (`verify --trainer MODULE:FUNCTION`,
 docs/verify_your_algorithm.md) needs only `Verifiable`'s members.
@@ -31,7 +31,7 @@ class Verifiable(Protocol):
 
 
 @runtime_checkable
-class Trainer(Verifiable, Protocol):
+class Checkpointable(Verifiable, Protocol):
     """What train, sharded checkpoints (saved_runs/sharded.py) and the memory report also need."""
 
     steps_done: int  # the global batch's number: dropout masks are keyed by it (nn/batch_rows.py)
