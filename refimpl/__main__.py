@@ -1,3 +1,5 @@
+"""`python -m refimpl ...`: the command line (refimpl/tools/cli.py)."""
+
 import sys
 
 from refimpl.tools.cli import main
