@@ -187,11 +187,11 @@ def print_memory(args, rows: list[dict]) -> None:
 def worker(args) -> None:
     """Under `mpiexec -n T` (or alone for T = 1): time bench_engine's model; rank 0 prints one JSON line."""
     import numpy as np  # noqa: PLC0415
+    from bench_engine import BATCH, CONFIG  # noqa: PLC0415
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
-    from bench_engine import BATCH, CONFIG  # noqa: PLC0415
     from refimpl.nn import GPT, GPTConfig  # noqa: PLC0415
-    from refimpl.parallel import watchdog  # noqa: PLC0415
+    from refimpl.tools.runtime import watchdog  # noqa: PLC0415
     from refimpl.parallel.comm import get_world  # noqa: PLC0415
     from refimpl.tools.run import TrainConfig, make_trainer  # noqa: PLC0415
 

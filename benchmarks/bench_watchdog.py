@@ -35,7 +35,9 @@ DEFAULT_TRAIN = ["--model", "gpt", "--steps", "40"]
 def one_run() -> None:
     """Inside mpiexec: run `train` as the variant says, print rank 0's wall seconds."""
     variant, flags = sys.argv[2], sys.argv[3:]
-    from refimpl import agreement, cli, train  # noqa: PLC0415
+    from refimpl.tools import cli
+    from refimpl.tools import run as train
+    from refimpl.tools.runtime import agreement
     from refimpl.tools.commands import train as train_command  # noqa: PLC0415
 
     if variant == "without":
@@ -54,8 +56,8 @@ def one_run() -> None:
 
 def measure(ranks: int, variant: str, flags: list[str]) -> dict:
     env = without_launcher()
-    done = subprocess.run([find_mpiexec() or "mpiexec", "-n", str(ranks), sys.executable, __file__, "--one-run", variant, *flags],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    command = [find_mpiexec() or "mpiexec", "-n", str(ranks), sys.executable, __file__, "--one-run", variant, *flags]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"{variant} run failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from mpi_util import clean_env, find_mpiexec, run_local, run_local_json
+
 from refimpl.parallel import comm as commlib
-from refimpl.parallel import failure, launcher, ring, threads
+from refimpl.parallel import ring
+from refimpl.tools.runtime import failure, launcher, threads
 from refimpl.parallel.mesh import Mesh
 
 # -- block layout and the byte formulas ---------------------------------------------------------------
@@ -385,7 +386,8 @@ def test_bad_input_is_one_clear_error():
      "alltoallv: recvcounts sum to 4 elements, but recvbuf has 5"),
     (lambda w: w.alltoallv(np.ones(4), [2, 2], np.zeros(4), [4]),
      "alltoallv: sendcounts must hold 1 counts, one per rank, but has shape (2,)"),
-    (lambda w: w.alltoallv(np.ones(4), 4, np.zeros(4), [4]), "sendcounts must hold 1 counts, one per rank, but has shape ()"),
+    (lambda w: w.alltoallv(np.ones(4), 4, np.zeros(4), [4]),
+     "sendcounts must hold 1 counts, one per rank, but has shape ()"),
     (lambda w: w.alltoallv(np.ones(4), [4], np.zeros(4), [[4]]), "recvcounts must hold 1 counts"),
     (lambda w: w.alltoallv(np.ones(4), [4.0], np.zeros(4), [4]),
      "alltoallv: sendcounts must be integers (counts of elements), not float64"),
@@ -397,7 +399,8 @@ def test_bad_input_is_one_clear_error():
 def test_alltoall_argument_errors(call, message):
     for mode in ["mpi", "ring"]:
         world = commlib.LocalComm(mode)
-        with pytest.raises(ValueError, match=f"^{re.escape(message)}" if message.startswith("alltoall") else re.escape(message)):
+        pattern = f"^{re.escape(message)}" if message.startswith("alltoall") else re.escape(message)
+        with pytest.raises(ValueError, match=pattern):
             call(world)
         assert world.counters.snapshot() == {}  # nothing counted for a call refused
     shared = np.ones(4)
@@ -588,4 +591,5 @@ def test_launcher_variables_give_the_rank_and_are_left_out_of_a_new_launch():
     assert launcher.launcher_rank({"PMI_RANK": "2", "PMIX_RANK": "5"}) == 2  # the first of RANK_VARIABLES
     environ = {"PMI_RANK": "1", "HYDRA_HOST": "n0", "OMPI_COMM_WORLD_SIZE": "2", "I_MPI_PIN": "0", "HOME": "/h"}
     assert launcher.without_launcher(environ) == {"HOME": "/h"}
-    assert all(name.startswith(launcher.LAUNCHER_PREFIXES) for name in launcher.LAUNCHER_VARIABLES + launcher.RANK_VARIABLES)
+    names = launcher.LAUNCHER_VARIABLES + launcher.RANK_VARIABLES
+    assert all(name.startswith(launcher.LAUNCHER_PREFIXES) for name in names)

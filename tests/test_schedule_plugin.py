@@ -12,13 +12,13 @@ import textwrap
 from fractions import Fraction
 
 import pytest
-
-from refimpl.tools.cli import main
-from refimpl.parallel.pipeline import Costs, Schedule, build, simulate, validate
-from refimpl.tools.flags import schedule_name
-from refimpl.parallel.pipeline.schedules import is_plugin
-
 from mpi_util import REPO, run_mpi_json
+
+from refimpl.parallel.pipeline import Costs, Schedule, build, simulate, validate
+from refimpl.tools.plugin import build_schedule
+from refimpl.tools.plugin import is_spec as is_plugin
+from refimpl.tools.cli import main
+from refimpl.tools.flags import schedule_name
 
 EXAMPLE = "docs/examples/my_schedule.py:early_backward"
 SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--n-layer", "2", "--steps", "2"]
@@ -30,7 +30,7 @@ def in_repo(monkeypatch):
 
 
 def test_the_example_builds_validates_and_meets_its_targets(in_repo):
-    schedule = build(EXAMPLE, 4, 8)
+    schedule = build_schedule(EXAMPLE, 4, 8)
     assert isinstance(schedule, Schedule) and schedule.name == "early_backward"
     report = validate(schedule)
     assert report.actions == 4 * 8 * 3 and report.per_channel_ok  # F, I, W of every (stage, micro-batch)
@@ -41,7 +41,7 @@ def test_the_example_builds_validates_and_meets_its_targets(in_repo):
     assert ours.bubble_fraction == Fraction(1, 4) and base.bubble_fraction == Fraction(3, 11)
     assert ours.peak_activations == base.peak_activations == [4, 3, 2, 1]
     with pytest.raises(ValueError, match="early_backward holds 1 stage"):
-        build(EXAMPLE, 4, 8, 2)  # its own constraint, passed through with the spec in front
+        build_schedule(EXAMPLE, 4, 8, 2)  # its own constraint, passed through with the spec in front
 
 
 def test_names_of_your_own_are_accepted_where_built_in_names_are():

@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism (refimpl/parallel/tensor_parallel/) train exactly like one process.
 
-  * Split: cutting a weight into t slices and putting them back is the identity (drawn shapes,
+  * WeightSplit: cutting a weight into t slices and putting them back is the identity (drawn shapes,
     interleaved q/k/v blocks, a padded vocabulary);
   * the pinned list of the issue, each against single-process training (verify's comparison,
     float64, rtol 1e-10), many configurations per MPI launch: tp 2 and 4, dp x tp, tp x pp with
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from mpi_util import PROGRAMS, last_json, run_mpi
 from test_verify_drawn import verify_many
 
-from refimpl.parallel.tensor_parallel import Split, padded
+from refimpl.parallel.tensor_parallel import WeightSplit, padded
 from refimpl.tools.sweep import SMALL
 
 
@@ -37,7 +37,7 @@ def test_split_shards_put_back_together_are_the_whole(t, parts, axis, per_rank, 
     shape = [other, other]
     shape[axis] = n
     whole = np.random.default_rng(seed).standard_normal(shape)
-    split = Split(axis, parts, length)
+    split = WeightSplit(axis, parts, length)
     shards = [split.shard(whole, r, t) for r in range(t)]
     assert all(s.shape[axis] == padded(n, t) // t for s in shards)
     np.testing.assert_array_equal(split.whole(shards), whole)
@@ -177,7 +177,7 @@ def test_selective_recomputation_gives_bitwise_the_same_gradients_with_less_save
 
 
 def test_verify_refuses_mixed_precision_with_tensor_parallelism_saying_why(capsys):
-    from refimpl import cli
+    from refimpl.tools import cli
 
     assert cli.main(["verify", "--tp", "2", "--dtype", "mixed", "--steps", "1"]) == 2
     assert "verify --dtype mixed bounds only float16 rounding" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from refimpl import cli
+from refimpl.tools import cli
 from refimpl.memory import parse_bytes
 from refimpl.tools.run import TrainConfig
 

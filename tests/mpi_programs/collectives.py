@@ -36,8 +36,10 @@ import numpy as np
 
 from refimpl import backend
 from refimpl.parallel import comm as commlib
-from refimpl.parallel import threads
 from refimpl.parallel.mesh import Mesh
+from refimpl.tools.runtime import guards, threads
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 TOLERANCE = {"float64": (1e-10, 1e-12), "float32": (1e-5, 1e-6), "float16": (1e-2, 1e-2)}
 REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}

@@ -20,10 +20,13 @@ import sys
 
 import numpy as np
 
-from refimpl.tools.flags import config_from_flags
-from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
+from refimpl.tools.console import emit_json
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.run import build_model, build_task, make_trainer
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def check(world, flags: list) -> dict:
@@ -54,9 +57,9 @@ def check(world, flags: list) -> dict:
 def collapse(world, ep: int) -> dict:
     """Every token routed to expert 0 (a zero router: all probabilities equal, ties to the lower
     index): the expert-parallel step still equals one process's, and every token travels to rank 0."""
+    from refimpl.local_trainer import LocalTrainer
     from refimpl.nn.experts import MoE
     from refimpl.parallel.trainer import Trainer
-    from refimpl.local_trainer import LocalTrainer
     from refimpl.tools.run import TrainConfig, build_optimizer
 
     cfg = TrainConfig(model="gpt", experts=4, top_k=1, ep=ep, n_layer=2, d_model=8, n_head=2, seq_len=8, batch_size=8,

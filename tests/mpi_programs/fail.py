@@ -16,6 +16,9 @@ import time
 import numpy as np
 
 from refimpl.parallel.comm import get_world
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def fail(error: str, world) -> None:

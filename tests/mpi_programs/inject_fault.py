@@ -32,7 +32,10 @@ import sys
 import time
 
 from refimpl.parallel import comm as comm_module
+from refimpl.tools.runtime import guards
 from refimpl.tools.runtime.launcher import launcher_rank
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 COMM_METHODS = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "iallgather",
                 "bcast", "ibcast", "barrier", "ibarrier", "send", "recv", "isend", "irecv", "sendrecv",

@@ -15,10 +15,13 @@ import sys
 
 import numpy as np
 
-from refimpl.tools.flags import config_from_flags
-from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
+from refimpl.tools.console import emit_json
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.run import build_model, build_task, make_trainer
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def run(world, flags: list):

@@ -8,8 +8,9 @@ mode (the i-th config writes TRACE_DIR/trace_i.json) and one in compute mode wit
 the same seed on the same batch. Rank 0 prints one JSON list of {"flags", "identical", "timing",
 "simulated_exchanges", "trace"}: identical is whether the losses and parameters are equal bit for
 bit (on every rank: a message that carries its send time, sleeps and delays change no number),
-timing the trainer's timing() of the delayed run, simulated_exchanges the all-to-alls per rank of
-the simulator's chunk model, trace the (pid, cat) pairs of the trace's complete events.
+timing the report() of the delayed run's Timeline (tools/timeline.py), simulated_exchanges the
+all-to-alls per rank of the simulator's chunk model, trace the (pid, cat) pairs of the trace's
+complete events.
 """
 
 import json
@@ -18,11 +19,14 @@ import sys
 
 import numpy as np
 
-from refimpl.tools.flags import config_from_flags
-from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
-from refimpl.parallel.pipeline import timeline as tl
+from refimpl.tools import timeline as tl
+from refimpl.tools.console import emit_json
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.run import build_model, build_task, make_trainer
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def run(world, flags: list):
@@ -58,7 +62,8 @@ def main() -> None:
         _, plain_loss, plain_params = run(world, without_delays(flags))
         identical = loss == plain_loss and params.keys() == plain_params.keys() and all(
             np.array_equal(params[k], plain_params[k]) for k in params)
-        prediction = tl.simulate_configured(delayed.schedule, delayed.costs, delayed.exchanges,
+        observer = delayed.executor.observer  # the Timeline make_trainer installed
+        prediction = tl.simulate_configured(delayed.schedule, observer.costs, observer.stage_exchanges,
                                             delayed.executor.overlap)
         world.barrier()
         kinds = []
@@ -67,7 +72,7 @@ def main() -> None:
                 events = json.load(f)["traceEvents"]
             kinds = sorted({(e["pid"], e["cat"]) for e in events if e["ph"] == "X"})
         results.append({"flags": flags, "identical": all(world.allgather_object(identical)),
-                        "timing": delayed.timing(), "simulated_exchanges": prediction.all_to_all, "trace": kinds})
+                        "timing": observer.report(), "simulated_exchanges": prediction.all_to_all, "trace": kinds})
     if world.rank == 0:
         emit_json(results)
 

@@ -13,7 +13,11 @@ import sys
 
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
+from refimpl.tools import timeline
 from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=4, m=8, chunks=None, n_layer=4, batch=16, grad_accum=1,
                 action_costs=None, tie=False)
@@ -32,9 +36,10 @@ def attempt(world, spec: dict) -> str:
 
         model = GPT(replace(model.config, tie_weights=True))
     try:
+        costs = timeline.parse_costs(c["action_costs"])
         trainer = Trainer(model, lambda ps: build_optimizer(cfg, ps), world, pp=c["pp"], schedule=c["schedule"],
-                          micro_batches=c["m"], chunks=c["chunks"], grad_accum=c["grad_accum"],
-                          action_costs=c["action_costs"])
+                          micro_batches=c["m"], chunks=c["chunks"], grad_accum=c["grad_accum"])
+        timeline.install(trainer, costs)
         x, y = task.batch(0, c["batch"])
         trainer.step(x, y)
     except ValueError as exc:

@@ -2,8 +2,8 @@
 
 Launch:  mpiexec -n 4 python tests/mpi_programs/pipeline_verify.py '[{"schedule": "1f1b", "pp": 2, "m": 4}, ...]'
 
-Each configuration (JSON object; defaults below) builds the pipelined Trainer (refimpl/parallel/trainer.py) on the whole world
-(dp = world size / pp), runs `steps` optimizer steps in float64 and, on rank 0, the single-process
+Each configuration (JSON object; defaults below) builds the pipelined Trainer (refimpl/parallel/trainer.py) on the
+whole world (dp = world size / pp), runs `steps` optimizer steps in float64 and, on rank 0, the single-process
 LocalTrainer on the same batches; it records the worst loss / gradient / parameter differences
 (refimpl.tools.compare, rtol 1e-10, atol 1e-12), the executor's point-to-point counters, and the
 trainer's report (peaks, measured timeline). Rank 0 prints one JSON list, one entry per
@@ -13,11 +13,15 @@ configuration, on the last stdout line.
 import json
 import sys
 
+from refimpl.local_trainer import LocalTrainer
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
-from refimpl.local_trainer import LocalTrainer
-from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools import timeline
 from refimpl.tools.compare import Comparison, compare_step
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 DEFAULTS = dict(model="gpt", schedule="1f1b", pp=2, m=4, chunks=None, n_layer=4, d_model=8, n_head=2, seq_len=8,
                 batch=None, steps=2, clip=1.0, checkpoint=None, optimizer="adamw", collectives="mpi",
@@ -36,6 +40,7 @@ def run(world, spec: dict) -> dict:
     trainer = Trainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), comm, pp=c["pp"],
                       schedule=c["schedule"], micro_batches=c["m"], chunks=c["chunks"], clip=cfg.clip,
                       checkpoint=c["checkpoint"], zero=c["zero"], bucket_bytes=c["bucket_bytes"], precision=cfg.dtype)
+    timeline.install(trainer)  # the report's peaks and measured timeline
     trainer.record_grads = True
     before = world.counters.snapshot()
     recorded = []

@@ -10,7 +10,7 @@ CONFIGS.json: a list of train flag lists with --tp (and --pp, --sequence-paralle
   * the parameters held whole on every tp rank (layer norms, row-parallel biases, wpe) are equal,
     bit for bit, across the group after the steps (nothing drifts apart);
   * data parallel without a pipeline: the memory ledger's model state on every rank is
-    (P + G + K)·Ψ_rank with Ψ_rank = formulas.parameters_per_rank (float32/64 AdamW: K = 2P).
+    (P + G + K)·Ψ_rank with Ψ_rank = memory.gpt_parameters (float32/64 AdamW: K = 2P).
 
 Rank 0 prints one JSON list: {"flags", "measured", "expected", "whole_equal"} per configuration
 (measured/expected: every rank's {kind: bytes}).
@@ -24,11 +24,15 @@ import numpy as np
 from refimpl import backend
 from refimpl.checkpointing.actions import Restore, simulate_chain
 from refimpl.checkpointing.plans import actions_for
-from refimpl.tools.flags import config_from_flags
-from refimpl.tools.console import emit_json
+from refimpl.memory import gpt_parameters
 from refimpl.parallel.comm import get_world
-from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step, parameters_per_rank
+from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.tools.console import emit_json
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.run import build_model, build_task, make_trainer
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 KINDS = ("allreduce", "allgather", "reduce_scatter")
 
@@ -65,9 +69,9 @@ def check(world, flags: list) -> dict:
                       recomputed_blocks=recomputed_blocks(cfg.checkpoint, blocks),
                       restored_inputs=restores(cfg.checkpoint, blocks) if cfg.partition_activations else 0)
     expected = bytes_per_step(shape, cfg.sequence_parallel, cfg.tp, np.dtype(cfg.dtype).itemsize)
-    ledger_ok = None  # data parallel, one stage: the ledger's model state = formulas.parameters_per_rank
+    ledger_ok = None  # data parallel, one stage: the ledger's model state = memory.gpt_parameters
     if cfg.zero == 0 and cfg.pp == 1:
-        psi = sum(parameters_per_rank(11, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.tp).values())
+        psi = sum(gpt_parameters(11, cfg.seq_len, cfg.d_model, cfg.n_layer, tp=cfg.tp).values())
         itemsize = np.dtype(cfg.dtype).itemsize
         ledger_ok = trainer.model_state_bytes() == {"parameters": itemsize * psi, "gradients": itemsize * psi,
                                                     "optimizer_states": 2 * itemsize * psi}  # AdamW: m and v

@@ -11,11 +11,14 @@ worst the largest |gradient difference| / max |reference gradient| over every pa
 
 import numpy as np
 
-from refimpl.tools.console import emit_json
 from refimpl.nn.batch_rows import batch_rows
 from refimpl.nn.models import GPT, GPTConfig
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.tensor_parallel import shard_gpt
+from refimpl.tools.console import emit_json
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def compare(world, tied: bool, sequence_parallel: bool) -> dict:

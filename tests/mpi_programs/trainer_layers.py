@@ -17,6 +17,9 @@ import numpy as np
 
 from refimpl.parallel.comm import get_world
 from refimpl.tools.run import TrainConfig, build_model, build_task, make_trainer
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 class ToyLayer:

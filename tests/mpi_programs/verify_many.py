@@ -12,9 +12,12 @@ list on the last stdout line: {"flags", "ok", "tolerance_used", "problems", "ski
 import json
 import sys
 
-from refimpl.tools.console import emit_json
 from refimpl.parallel.comm import get_world
 from refimpl.tools.commands.verify import verify_flags
+from refimpl.tools.console import emit_json
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def main() -> None:

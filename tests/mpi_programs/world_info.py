@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import sys
 
-from refimpl.parallel import failure
 from refimpl.parallel.comm import get_world
+from refimpl.tools.runtime import failure, guards, threads
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def main() -> None:
     world = get_world()
-    budget = world.thread_budget
+    budget = threads.current()
     info = {"world_size": world.size, "comm": type(world).__name__, "node_size": world.node_size(),
             "mpi4py_imported": "mpi4py" in sys.modules, "failure_handler": failure.installed(),
             "thread_budget": budget and budget.as_dict(),

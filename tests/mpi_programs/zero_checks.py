@@ -26,10 +26,13 @@ import sys
 
 import numpy as np
 
-from refimpl.tools.compare import compare_arrays, compare_values
-from refimpl.parallel.comm import get_world
 from refimpl.local_trainer import LocalTrainer
+from refimpl.parallel.comm import get_world
+from refimpl.tools.compare import compare_arrays, compare_values
 from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task, make_trainer
+from refimpl.tools.runtime import guards
+
+guards.install()  # a failure on one rank ends every rank, a hang is named (tools/runtime/guards.py)
 
 
 def tolerance_used(ours: dict, reference: dict, rtol: float = 1e-10, atol: float = 1e-12) -> float:
