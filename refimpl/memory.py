@@ -1,4 +1,4 @@
-"""The memory ledger (bytes actually held, by category) and the ZeRO paper's estimator.
+"""The memory of one rank: the ledger (bytes actually held) and the memory model (bytes by formula).
 
 Two views of the same question -- how many bytes does each rank hold? -- kept apart on purpose:
 
@@ -7,28 +7,72 @@ Two views of the same question -- how many bytes does each rank hold? -- kept ap
     peak of every category and of the total. Saved activations come from the autograd engine's
     own ledger (refimpl.autograd.saved_tensors), read when the ledger is asked. Nothing here is
     computed from a formula.
-  * The estimator is the formula of the ZeRO paper (Rajbhandari et al., arXiv 1910.02054,
-    section 5 and Table 1): for Ψ parameters, N data-parallel ranks, P and G bytes per parameter
-    and gradient element and K bytes of optimizer state per parameter,
+  * The memory model is formulas, one per quantity: parameters per rank (gpt_parameter_tensors),
+    model states per ZeRO stage (model_state_bytes) and activations saved per block and per
+    micro-batch (saved_elements_per_block, saved_bytes). The pre-flight check
+    (tools/runtime/preflight.py), the cluster model (tools/cluster/model.py), the tensor-parallel
+    command and the tests all evaluate these; a new feature (context parallelism, a new block)
+    extends them rather than adding formulas of its own.
 
-        DP      (P + G + K) Ψ                 mixed-precision Adam: P = 2, G = 2, K = 12
-        ZeRO-1  (P + G) Ψ + K Ψ / N           (K = 4 fp32 master + 4 momentum + 4 variance)
-        ZeRO-2  P Ψ + (G + K) Ψ / N           float32 Adam: P = 4, G = 4, K = 8
-        ZeRO-3  (P + G + K) Ψ / N             float64 Adam: P = 8, G = 8, K = 16
+ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, section 5 and Table 1; section 7 for the
+communication). Stage s partitions the first s of (optimizer states, gradients, parameters) over
+the N data-parallel ranks. For Ψ parameters, P and G bytes per parameter and gradient element and
+K bytes of optimizer state per parameter (mixed-precision Adam: P = 2, G = 2, K = 12, with
+K = 4 fp32 master + 4 momentum + 4 variance; float32 Adam 4, 4, 8; float64 Adam 8, 8, 16), model
+states per rank and elements each rank sends per optimizer step on a ring, with g micro-batches
+per step (gradient accumulation; refimpl's rule for each stage):
 
-    and communication per rank per optimizer step, in elements, on a ring (section 7), with g
-    micro-batches per step (gradient accumulation; refimpl's rule for each stage):
+    stage   partitions         model states per rank   elements sent per step on a ring
+    DP      nothing            (P + G + K) Ψ           2Ψ(N−1)/N        all-reduce after the last micro-batch
+    ZeRO-1  optimizer states   (P + G) Ψ + K Ψ / N     2Ψ(N−1)/N        reduce-scatter + all-gather, once
+    ZeRO-2  + gradients        P Ψ + (G + K) Ψ / N     (g + 1)Ψ(N−1)/N  reduce-scatter every micro-batch (only
+                                                                        a gradient shard is kept), all-gather once
+    ZeRO-3  + parameters       (P + G + K) Ψ / N       3gΨ(N−1)/N       all-gather in forward and in backward and
+                                                                        reduce-scatter, every micro-batch
 
-        DP      2Ψ(N−1)/N                      one all-reduce after the last micro-batch
-        ZeRO-1  2Ψ(N−1)/N                      reduce-scatter once + all-gather once
-        ZeRO-2  (g + 1)Ψ(N−1)/N                reduce-scatter every micro-batch (only a shard of
-                                               the gradient is kept) + all-gather once
-        ZeRO-3  3gΨ(N−1)/N                     all-gather in forward and in backward and
-                                               reduce-scatter, every micro-batch
+This table is the one source: the ZeRO trainers (parallel/zero/), the memory command and the
+cluster model refer to it.
 
-The two views meet in the tests: for every stage and precision the ledger's model-state bytes
-(parameters + gradients + master weights + optimizer states) equal the formula evaluated at the
-padded Ψ' (each flat buffer is padded to a multiple of N: at most N−1 elements per buffer).
+Activations (Korthikanti et al. 2022, arXiv 2205.05198, section 4). refimpl's Block (nn/layers.py)
+in the forward pass of one micro-batch of N = b·s tokens, width h, a heads, every array counted
+once however many operations save it (autograd/saved.py); [p] = 1 with dropout, else 0. Elements
+per block, on one process:
+
+    ln1, ln2         x̂ (N·h) and 1/σ (N) each                           2·N·h + 2N
+    qkv, fc inputs   the layer-norm outputs                               2·N·h
+    q, k, v          the core's inputs (split of the qkv output)          3·N·h
+    core             softmax output; with dropout its mask and the
+                     dropped probabilities (att @ v saves those)          (1 + 2[p])·b·a·s²
+    proj input       the heads' outputs                                   N·h
+    GeLU             its input, and the MLP proj's input (its output)     8·N·h
+    dropout masks    after attention and after the MLP                    2[p]·N·h
+                                                                  = (16 + 2[p])·N·h + 2N + (1 + 2[p])·b·a·s²
+
+The paper counts bytes with 2-byte activations and 1-byte masks and gets sbh(34 + 5as/h)
+(korthikanti_bytes_per_block); refimpl stores every array, masks too, at the model's itemsize.
+Which terms divide by the t ranks of a tensor-parallel group (tensor_parallel/gpt.py's splits):
+
+  tensor parallel        q, k, v, proj input, GeLU (12·N·h) and the core (b·a·s² terms) are split;
+                         ln1, ln2, the qkv/fc inputs and the masks ((4 + 2[p])·N·h + 2N) are whole
+                         on every rank -- the paper's sbh(10 + 24/t + 5as/(ht))
+  + sequence parallel    everything /t: the layer norms and masks run on sequence shards, and the
+                         column-parallel linears keep their sequence shard, not the gathered input
+  selective recompute    the core keeps only q, k, v: the b·a·s² terms vanish
+  full recompute         a checkpointed block keeps its input, N·h (N·h/t with sequence
+                         parallelism, or with partitioned activations, tensor_parallel/partition.py)
+
+Outside the blocks a micro-batch saves the embedding's dropout mask ([p]·N·h), ln_f's x̂, 1/σ and
+output (the head's input: N·(2h + 1)) and the cross-entropy's probabilities (N·V), plus the loss
+(one scalar; two with mixed precision's loss scale). On one process the ledger's peak for one
+micro-batch through L blocks is, in elements,
+
+    L·[(16 + 2[p])·N·h + 2N + (1 + 2[p])·b·a·s²] + [p]·N·h + N·(2h + 1) + N·V + 1 (+ 1)
+
+The two views meet in the tests: the ledger's model-state bytes equal model_state_bytes at the
+padded Ψ' (each flat buffer is padded to a multiple of N: at most N−1 elements per buffer;
+tests/test_zero.py), the saved-tensor peak equals saved_bytes (tests/test_preflight.py), a tp
+rank's saved bytes per block equal saved_bytes_per_block (tests/test_tensor_parallel.py), and
+gpt_parameter_tensors lists the built model's tensors (tests/test_preflight.py, test_cluster.py).
 
 Categories of the ledger (the first four are model state, the paper's "model states"):
 
@@ -52,6 +96,7 @@ from __future__ import annotations
 import re
 from decimal import ROUND_HALF_UP, Decimal
 
+from refimpl import backend
 from refimpl.autograd.saved import saved_tensors as _saved_tensors
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states",
@@ -192,8 +237,6 @@ def track_replicated(params, optimizer, budget: int | None = None, rank: int = 0
     created one: accumulation then adds into it, the same numbers), and the optimizer's state
     arrays. A gradient that is a view into a flat bucket is counted through its bucket, once.
     """
-    from refimpl import backend  # noqa: PLC0415
-
     ledger = MemoryLedger(budget, rank) if ledger is None else ledger  # (a ledger shared with another strategy)
     xp = backend.xp()
     seen: set[int] = set()
@@ -231,8 +274,66 @@ def memory_by_rank(trainer, world=None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# The paper's estimator
+# The memory model: parameters
 # ------------------------------------------------------------------------------------------------
+
+
+def expert_blocks(blocks: int, experts: int, moe_every: int) -> int:
+    """Blocks with a mixture of experts among the first `blocks`: block i has them when
+    i % moe_every == moe_every − 1 (GPTConfig.has_experts), so ⌊blocks / moe_every⌋ of them."""
+    return blocks // moe_every if experts else 0
+
+
+def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1, tied: bool = False,
+                          experts: int = 0, moe_every: int = 1, ep: int = 1, embedding: bool = True,
+                          head: bool = True) -> list[tuple[int, int, str]]:
+    """refimpl's GPT (nn/models.py) as one rank holds it, tensor by tensor: (elements, how many, kind).
+
+    Vocabulary V, positions s, width h, `blocks` blocks; a pipeline stage passes its own blocks and
+    whether it holds the embedding and the head. kind "split": divided over the t tensor-parallel
+    ranks (tensor_parallel/gpt.py: qkv and fc with their biases, the proj weights, the vocabulary rows
+    of wte and lm_head over V' = V rounded up to a multiple of t); "whole": on every rank (layer
+    norms, the row-parallel biases, wpe, the router); "experts": this rank's E/ep expert MLPs. Per
+    dense block 12h² + 13h: 12h² + 7h split, 6h whole. A tied head is wte itself: a second copy
+    only on a stage without the embedding. t divides h (it divides the heads), so every split is exact.
+    """
+    t, V = tp, -(-vocab // tp) * tp
+    moe = expert_blocks(blocks, experts, moe_every)
+    dense, mine = blocks - moe, moe * (experts // ep)  # blocks with the dense MLP; this rank's expert MLPs
+    return [
+        (V * h // t, int(embedding), "split"),  # wte (V', h)
+        (seq * h, int(embedding), "whole"),  # wpe (s, h)
+        (h, 4 * blocks, "whole"),  # ln1, ln2: weight and bias
+        (3 * h * h // t, blocks, "split"), (3 * h // t, blocks, "split"),  # qkv, column-parallel
+        (h * h // t, blocks, "split"), (h, blocks, "whole"),  # proj, row-parallel: its bias whole
+        (4 * h * h // t, dense, "split"), (4 * h // t, dense, "split"),  # fc1, column-parallel
+        (4 * h * h // t, dense, "split"), (h, dense, "whole"),  # fc2, row-parallel
+        (experts * h, moe, "whole"),  # the router (E, h)
+        (4 * h * h, mine, "experts"), (4 * h, mine, "experts"), (4 * h * h, mine, "experts"), (h, mine, "experts"),
+        (h, 2 * int(head), "whole"),  # ln_f
+        (V * h // t, int(head and not (tied and embedding)), "split"),  # lm_head (V', h)
+    ]
+
+
+def gpt_parameters(*args, **kwargs) -> dict:
+    """{"split", "whole", "experts"}: gpt_parameter_tensors' elements by kind (Ψ of the rank is their sum)."""
+    by_kind = dict.fromkeys(("split", "whole", "experts"), 0)
+    for elements, count, kind in gpt_parameter_tensors(*args, **kwargs):
+        by_kind[kind] += elements * count
+    return by_kind
+
+
+# ------------------------------------------------------------------------------------------------
+# The memory model: model states (ZeRO; the table of the module docstring)
+# ------------------------------------------------------------------------------------------------
+
+# The stage from which ZeRO partitions each model state over the N data-parallel ranks.
+PARTITIONED_FROM = {"parameters": 3, "gradients": 2, "optimizer_states": 1}
+
+
+def partitions(stage: int, category: str) -> bool:
+    """Whether ZeRO `stage` holds 1/N of `category` ("parameters", "gradients" or "optimizer_states")."""
+    return stage >= PARTITIONED_FROM[category]
 
 
 def bytes_per_parameter(precision: str, optimizer: str = "adamw", momentum: bool = True) -> tuple[int, int, int]:
@@ -250,7 +351,8 @@ def bytes_per_parameter(precision: str, optimizer: str = "adamw", momentum: bool
 
 
 def model_state_bytes(stage: int, psi, n: int, p: int, g: int, k: int, psi_persistent=0):
-    """The paper's model-state bytes per rank for `stage` (0 = DP), Ψ parameters, N ranks.
+    """Model-state bytes per rank for `stage` (0 = DP), Ψ parameters, N ranks (Rajbhandari et al.
+    2020, Table 1): (bytes kept whole) Ψ + (bytes partitioned) Ψ / N, the row of the module's table.
 
     psi_persistent (ZeRO-3 only): parameters kept whole on every rank (below the size threshold);
     they cost P bytes each in full, their gradients and optimizer states are still partitioned.
@@ -261,17 +363,17 @@ def model_state_bytes(stage: int, psi, n: int, p: int, g: int, k: int, psi_persi
     def per(x):
         return x // n if x % n == 0 else x / n
 
-    if stage == 0:
-        return (p + g + k) * psi
-    if stage == 1:
-        return (p + g) * psi + per(k * psi)
-    if stage == 2:
-        return p * psi + per((g + k) * psi)
-    return per((p + g + k) * psi) + p * psi_persistent + per((g + k) * psi_persistent)
+    per_parameter = {"parameters": p, "gradients": g, "optimizer_states": k}
+    whole = sum(b for category, b in per_parameter.items() if not partitions(stage, category))
+    split = sum(b for category, b in per_parameter.items() if partitions(stage, category))
+    total = whole * psi + per(split * psi)
+    if stage == 3:
+        total = total + p * psi_persistent + per((g + k) * psi_persistent)
+    return total
 
 
 def communication_elements(stage: int, psi, n: int, grad_accum: int = 1, psi_persistent=0):
-    """Elements each rank sends per optimizer step on a ring (see the module docstring).
+    """Elements each rank sends per optimizer step on a ring (the module docstring's table).
 
     ZeRO-3's persistent parameters (kept whole) travel like ZeRO-2's: (g + 1)Ψ_p(N−1)/N.
     """
@@ -295,6 +397,92 @@ def paper_table(psi, worlds, precision: str = "mixed") -> list[dict]:
     p, g, k = bytes_per_parameter(precision)
     return [{"stage": s, "name": STAGE_NAMES[s], "formula": STAGE_FORMULAS[s],
              "bytes": {n: model_state_bytes(s, psi, n, p, g, k) for n in worlds}} for s in STAGE_NAMES]
+
+
+# ------------------------------------------------------------------------------------------------
+# The memory model: activations (Korthikanti et al.; the module docstring's tables)
+# ------------------------------------------------------------------------------------------------
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def expert_elements_per_token(h: int, experts: int, top_k: int) -> int:
+    """What a mixture-of-experts block adds per token: K tokens' worth of the MLP's activations (10h)
+    and of the dispatch and combine copies (4h), and the router's logits and probabilities (2E).
+    An upper bound, not the ledger's count: the dense MLP that the experts replace stays counted."""
+    return top_k * 14 * h + 2 * experts
+
+
+def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
+                             dropout: bool = False, recompute: str = "none", partitioned: bool = False,
+                             experts: int = 0, top_k: int = 0) -> dict:
+    """Elements one rank saves in one block's forward, by how they scale; sum them for the total:
+    (16 + 2[p])·N·h + 2N + (1 + 2[p])·b·a·s² on one process (Korthikanti et al. 2022, §4.1, counted
+    as refimpl saves: the module docstring's table), N = b·s tokens.
+
+    {"whole", "split", "attention"}: whole on every tp rank, split over tp, the core's b·a·s² terms
+    (none with selective recomputation); with experts (E, K per token) also "experts", the bound of
+    expert_elements_per_token. recompute="full": {"input"}, the kept block input, N·h (/t with
+    sequence parallelism or partitioned activations). Exact, as the saved-tensor ledger counts.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    N, p = b * s, int(dropout)
+    if recompute == "full":
+        return {"input": N * h // (tp if sequence_parallel or partitioned else 1)}
+    whole = (4 + 2 * p) * N * h + 2 * N  # layer norms, qkv/fc inputs, masks
+    split = 12 * N * h  # q, k, v, proj input, GeLU input and output
+    attention = 0 if recompute == "selective" else (1 + 2 * p) * b * a * s * s
+    out = {"whole": 0, "split": (whole + split) // tp} if sequence_parallel else {"whole": whole, "split": split // tp}
+    out["attention"] = attention // tp
+    if experts:
+        out["experts"] = N * expert_elements_per_token(h, experts, top_k)
+    return out
+
+
+def saved_bytes_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
+                          dropout: bool = False, recompute: str = "none", partitioned: bool = False,
+                          itemsize: int = 8) -> int:
+    """saved_elements_per_block's total, at `itemsize` bytes per element."""
+    return itemsize * sum(saved_elements_per_block(b, s, h, a, tp, sequence_parallel, dropout, recompute,
+                                                   partitioned).values())
+
+
+def saved_elements_outside_blocks(b: int, s: int, h: int, vocab: int, dropout: bool = False, tp: int = 1) -> dict:
+    """{"embedding", "final_norm", "loss"}: elements a micro-batch saves outside the blocks (module
+    docstring): the embedding's dropout mask, ln_f's x̂, 1/σ and output, the cross-entropy's
+    probabilities. tp: the vocabulary-parallel loss keeps its ⌈V/t⌉ columns (cross_entropy.py); the
+    embedding and ln_f are whole on every rank (without sequence parallelism)."""
+    N = b * s
+    return {"embedding": int(dropout) * N * h, "final_norm": N * (2 * h + 1), "loss": N * -(-vocab // tp)}
+
+
+def saved_elements(b: int, s: int, h: int, a: int, vocab: int, layers: int, dropout: bool = False,
+                   model: str = "gpt") -> int:
+    """Elements the saved-tensor ledger holds at its peak for one micro-batch on one process, the
+    loss aside. GPT: `layers` blocks, the embedding and the head (the module docstring's sum). MLP
+    classifier (widths 2 → h, `layers` times, → vocab classes; s and a unused): each layer's input,
+    which is the previous tanh's output (saved once), and the probabilities, b·(2 + layers·h + vocab)."""
+    if model == "mlp":
+        return b * (2 + layers * h + vocab)
+    block = sum(saved_elements_per_block(b, s, h, a, dropout=dropout).values())
+    return layers * block + sum(saved_elements_outside_blocks(b, s, h, vocab, dropout).values())
+
+
+def saved_bytes(b: int, s: int, h: int, a: int, vocab: int, layers: int, itemsize: int, dropout: bool = False,
+                loss_scaled: bool = False, model: str = "gpt") -> int:
+    """saved_elements at `itemsize` bytes, and the loss: one scalar (two with mixed precision's loss
+    scale). The ledger's peak for one micro-batch, to the byte (tests/test_preflight.py)."""
+    return itemsize * (saved_elements(b, s, h, a, vocab, layers, dropout, model) + 1 + loss_scaled)
+
+
+def korthikanti_bytes_per_block(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                                selective: bool = False) -> float:
+    """Korthikanti et al. 2022's activation bytes per layer (16-bit activations, 1-byte masks; Table 2):
+    sbh(10 + 24/t + 5as/(ht)), with sequence parallelism sbh(34/t + 5as/(ht)); selective
+    recomputation drops the 5as/(ht) term."""
+    core = 0.0 if selective else 5 * a * s / (h * t)
+    return s * b * h * ((34 / t if sequence_parallel else 10 + 24 / t) + core)
 
 
 # ------------------------------------------------------------------------------------------------

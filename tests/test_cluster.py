@@ -18,18 +18,26 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from refimpl import cli
+from refimpl.memory import PRECISIONS, model_state_bytes, paper_table, saved_bytes_per_block
+from refimpl.parallel.pipeline import Costs
+from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.tools import cli
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.collectives import Group, Links
 from refimpl.tools.cluster.hardware import PRESETS, Cluster
-from refimpl.tools.cluster.model import (Efficiency, Run, action_times, matmul_parameters, memory_breakdown, parameters,
-                                   predict, rank_parameters)
+from refimpl.tools.cluster.model import (
+    Efficiency,
+    Run,
+    action_times,
+    matmul_parameters,
+    memory_breakdown,
+    parameters,
+    predict,
+    rank_parameters,
+)
 from refimpl.tools.cluster.pipeline import _makespan, estimate_step, extrapolated_makespan, simulate_step
 from refimpl.tools.cluster.plan import candidates, plan, shape_for
 from refimpl.tools.cluster.published import TOLERANCE, checks
-from refimpl.memory import PRECISIONS, model_state_bytes, paper_table
-from refimpl.parallel.pipeline import Costs
-from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step, saved_bytes_per_block
 
 A100 = PRESETS["a100-80gb"]
 
@@ -120,11 +128,7 @@ def test_activations_are_the_engines_per_block_formula_times_the_schedules_peak(
     blocks = run.n_layer // 2
     memory = memory_breakdown(run, A100, in_flight=3, first=True, last=False)
     b, s, h = 2, run.seq_len, run.d_model
-    if checkpoint == "full":
-        per_block = 2 * b * s * h // (tp if sp else 1)  # the block's input only
-    else:
-        per_block = saved_bytes_per_block(b, s, h, run.n_head, tp, sp, dropout=True,
-                                          selective=checkpoint == "selective", itemsize=2)
+    per_block = saved_bytes_per_block(b, s, h, run.n_head, tp, sp, dropout=True, recompute=checkpoint, itemsize=2)
     assert memory["activations"] == 3 * blocks * per_block
 
 

@@ -8,11 +8,13 @@ import tracemalloc
 import pytest
 from mpi_util import REPO, check_ok, run_local, run_mpi
 
-from refimpl.tools.runtime import preflight
 from refimpl.autograd import saved_tensors
-from refimpl.tools.flags import add_run_arguments as add_arguments, config_from_args
-from refimpl.tools.runtime.failure import AgreedError
+from refimpl.memory import saved_bytes
+from refimpl.tools.flags import add_run_arguments as add_arguments
+from refimpl.tools.flags import config_from_args
 from refimpl.tools.run import TrainConfig, build_model, build_task, evaluate, make_trainer, train
+from refimpl.tools.runtime import preflight
+from refimpl.tools.runtime.failure import AgreedError
 
 LIMIT = preflight.LIMIT_VARIABLE
 
@@ -49,9 +51,9 @@ MEASURED = {
 
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_the_estimate_bounds_the_measured_peak(name):
-    """Activations ≥ the saved-tensor ledger's peak and ≤ 3x it per graph held (4x for the MLP); the whole estimate ≥ the process's
-    true peak (tracemalloc: NumPy's allocations and Python's objects, from the task's loading to
-    the held-out evaluation) and ≤ 3x it."""
+    """Activations ≥ the saved-tensor ledger's peak and ≤ 3x it per graph held (4x for the MLP); the whole
+    estimate ≥ the process's true peak (tracemalloc: NumPy's allocations and Python's objects, from the
+    task's loading to the held-out evaluation) and ≤ 3x it."""
     cfg = config(steps=2, **MEASURED[name])
     gc.collect()
     tracemalloc.start()
@@ -86,14 +88,16 @@ def test_the_estimate_bounds_the_measured_peak(name):
                                    dict(dtype="mixed"), dict(seq_len=8, n_head=1, batch_size=4),
                                    dict(model="mlp", n_layer=3, d_model=16, n_head=1, seq_len=0, batch_size=10)])
 def test_the_saved_tensor_formula_equals_the_engine_ledger(flags):
-    """preflight.saved_bytes is what the engine's saved-tensor ledger counts at its peak, to the byte."""
+    """memory.saved_bytes is what the engine's saved-tensor ledger counts at its peak, to the byte."""
     cfg = config(steps=1, **flags)
     task = build_task(cfg)
     vocab, seq = task_sizes(cfg, task)
     trainer = make_trainer(cfg, build_model(cfg, task), None)
     saved_tensors.reset_peak()
     trainer.step(*task.batch(0, cfg.batch_size))
-    assert saved_tensors.peak_bytes == preflight.saved_bytes(preflight._shape(cfg, vocab, seq), cfg.batch_size, cfg.n_layer)
+    shape = preflight._shape(cfg, vocab, seq)  # the flags as the memory model's arguments
+    assert saved_tensors.peak_bytes == saved_bytes(cfg.batch_size, shape.s, shape.h, shape.a, shape.vocab, cfg.n_layer,
+                                                   shape.e, shape.dropout, shape.loss_scaled, shape.model)
 
 
 @pytest.mark.parametrize("flags", [dict(), dict(n_layer=5, d_model=48, n_head=3, seq_len=10),
@@ -187,7 +191,8 @@ def _estimates(flags: list[str], world: int) -> list[int]:
     cfg = config_from_args(parser.parse_args(flags))
     task = build_task(cfg)
     vocab, seq = task_sizes(cfg, task)
-    return [preflight.estimate(cfg, vocab, seq, world, rank, preflight._task_bytes(task)).total for rank in range(world)]
+    task_bytes = preflight._task_bytes(task)
+    return [preflight.estimate(cfg, vocab, seq, world, rank, task_bytes).total for rank in range(world)]
 
 
 def test_the_ranks_on_one_host_are_summed():

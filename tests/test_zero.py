@@ -1,14 +1,11 @@
 """ZeRO stages 0-3: equal to single-process training, and exactly the paper's bytes.
 
 One launch per world size N = 1..4 (tests/mpi_programs/zero_checks.py) runs many cases; this file
-checks what each rank reports against the formulas of DESIGN.md, evaluated independently here:
+checks what each rank reports against the ZeRO table of refimpl/memory.py:
 
-  memory per rank       DP (P+G+K)Ψ · ZeRO-1 (P+G)Ψ + KΨ/N · ZeRO-2 PΨ + (G+K)Ψ/N · ZeRO-3 (P+G+K)Ψ/N
-                        at the padded Ψ′ (every flat group a multiple of N, at most N−1 padding each),
-                        category by category, after construction and after every step
-  communication/step    DP all-reduce 2Ψ(N−1)/N (per bucket, with counts: 2L − c_r − c_(r+1));
-                        ZeRO-1 reduce-scatter + all-gather once; ZeRO-2 reduce-scatter every micro-batch
-                        + one all-gather; ZeRO-3 two all-gathers and a reduce-scatter every micro-batch;
+  memory per rank       model_state_bytes at the padded Ψ′ (every flat group a multiple of N, at most
+                        N−1 padding each), category by category, after construction and after every step
+  communication/step    the table's collectives, per bucket (DP's all-reduce with counts 2L − c_r − c_(r+1)),
                         plus one-element all-reduces (loss, clipping norm, overflow flag)
   equivalence           float64, rtol 1e-10 / atol 1e-12 against LocalTrainer, and stages against DP
                         (with dropout: masks are keyed by batch and row, nn/batch_rows.py)

@@ -27,12 +27,12 @@
 import time
 
 import numpy as np
+from harness import last_json, run_mpi
 
+from refimpl.memory import PRECISIONS, format_bytes
 from refimpl.tools.cluster.hardware import PRESETS, Cluster
 from refimpl.tools.cluster.model import EFFICIENCY, Run, matmul_parameters, memory_breakdown, predict
 from refimpl.tools.commands.predict import report
-from refimpl.memory import PRECISIONS, format_bytes
-from harness import last_json, run_mpi
 
 # %% [markdown]
 # ## 1. A prediction
@@ -94,7 +94,7 @@ print(f"predict: parameters + gradients + optimizer_states = "
 # there is nothing to round). Exercise 1 asks for any rank, stage and precision.
 #
 # **Activations.** refimpl's engine records every tensor a block saves for backward, and its
-# tests check the count (`refimpl/parallel/tensor_parallel/formulas.py`, `saved_elements_per_block`):
+# tests check the count (`refimpl/memory.py`, `saved_elements_per_block`):
 # per block and micro-batch, without dropout,
 #
 # | part | elements | over tp |
@@ -205,8 +205,10 @@ for tp_, pp_ in ((4, 32), (8, 16), (16, 8)):
 
 # %%
 SMALL = dict(n_layer=2, d_model=64, n_head=4, seq_len=16, vocab_size=11, batch_size=32, dtype="mixed")
-for flags, degrees in ((["--tp", "2", "--zero", "3"], dict(dp=2, tp=2, zero=3, micro_batch_size=16)),
-                       (["--pp", "2", "--zero", "1", "--micro-batches", "2"], dict(dp=2, pp=2, zero=1, micro_batch_size=8))):
+for flags, degrees in ((["--tp", "2", "--zero", "3"],
+                        dict(dp=2, tp=2, zero=3, micro_batch_size=16)),
+                       (["--pp", "2", "--zero", "1", "--micro-batches", "2"],
+                        dict(dp=2, pp=2, zero=1, micro_batch_size=8))):
     result = last_json(run_mpi(4, "-m", "refimpl", "train", "--model", "gpt", "--dtype", "mixed", "--n-layer", "2",
                                "--steps", "1", "--json", *flags, show=False))
     small = Run(**SMALL, **degrees)
@@ -233,8 +235,8 @@ for flags, degrees in ((["--tp", "2", "--zero", "3"], dict(dp=2, tp=2, zero=3, m
 
 # %%
 from refimpl.autograd import Tensor
-from refimpl.tools.flags import config_from_flags
 from refimpl.parallel.comm import get_world
+from refimpl.tools.flags import config_from_flags
 from refimpl.tools.run import build_model, build_task, make_trainer
 
 
@@ -332,8 +334,13 @@ print(f"one step of the sorting GPT: predicted {guess.step_seconds * 1e3:.2f} ms
 
 # %%
 from harness import Exercises
-from harness.planning import check_activation_bytes, check_compute_seconds, check_model_state_bytes
-from harness.planning import check_mfu, check_tp_share
+from harness.planning import (
+    check_activation_bytes,
+    check_compute_seconds,
+    check_mfu,
+    check_model_state_bytes,
+    check_tp_share,
+)
 
 ex = Exercises("12_planning_a_run")
 
@@ -369,4 +376,4 @@ ex.check(2, check_activation_bytes, activation_bytes)
 ex.check(3, check_compute_seconds, compute_seconds)
 ex.check(4, check_mfu, mfu)
 ex.check(5, check_tp_share, tp_share)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -1,10 +1,9 @@
-"""Tensor parallelism's exact accounting: bytes sent per step, activations saved per block, parameters per rank.
+"""Tensor parallelism's communication: the bytes a rank sends on its tp group per step.
 
-The formulas the counters (parallel/comm.py), the saved-tensor ledger (autograd/saved.py) and the
-memory ledger must match, byte for byte (tests/test_tensor_parallel.py; the tables of
-docs/tensor_parallel.md are printed by `python -m refimpl tensor-parallel`).
-
-1. Communication.
+The formula the counters (parallel/comm.py) must match, byte for byte (tests/test_tensor_parallel.py;
+the tables of docs/tensor_parallel.md are printed by `python -m refimpl tensor-parallel`). What a tp
+rank holds -- activations saved per block, parameters -- is the memory model's (refimpl/memory.py:
+saved_elements_per_block, gpt_parameter_tensors), one formula with and without tensor parallelism.
 
 One rank of a group of t, ring counting (parallel/comm.py): an all-reduce of E elements sends
 2E(t−1)/t of them, a reduce-scatter or all-gather of E elements (the whole buffer) E(t−1)/t.
@@ -86,73 +85,4 @@ def bytes_per_step(shape: StepShape, sequence_parallel: bool, tp: int, itemsize:
     return {kind: factor[kind] * count * (tp - 1) // tp * itemsize for kind, count in elements.items()}
 
 
-# -- 2. activations saved by one transformer block -------------------------------------------------
-#
-# refimpl's Block (nn/layers.py) in the forward pass of one micro-batch, N = b·T tokens, width C,
-# H heads, every array counted once however many operations save it (autograd/saved.py); [p] = 1
-# with dropout, else 0. Elements per block, on one process:
-#
-#     ln1, ln2         x̂ (N·C) and 1/σ (N) each                           2·N·C + 2N
-#     qkv, fc inputs   the layer-norm outputs                               2·N·C
-#     q, k, v          the core's inputs (split of the qkv output)          3·N·C
-#     core             softmax output; with dropout its mask and the
-#                      dropped probabilities (att @ v saves those)          (1 + 2[p])·b·H·T²
-#     proj input       the heads' outputs                                   N·C
-#     GeLU             its input, and the MLP proj's input (its output)     8·N·C
-#     dropout masks    after attention and after the MLP                    2[p]·N·C
-#                                                                   = (16 + 2[p])·N·C + 2N + (1 + 2[p])·b·H·T²
-#
-# Korthikanti et al. 2022 (arXiv 2205.05198, §4.1) count bytes with 2-byte activations and 1-byte
-# masks and get sbh(34 + 5as/h); refimpl stores every array, masks too, at the model's itemsize.
-# Which terms divide by t (tensor_parallel/gpt.py's splits):
-#
-#   tensor parallel        q, k, v, proj input, GeLU (12·N·C) and the core (b·H·T² terms) are split;
-#                          ln1, ln2, the qkv/fc inputs and the masks ((4 + 2[p])·N·C + 2N) are whole
-#                          on every rank -- the paper's sbh(10 + 24/t + 5as/(ht))
-#   + sequence parallel    everything /t: the layer norms and masks run on sequence shards, and the
-#                          column-parallel linears keep their sequence shard, not the gathered input
-#   selective recompute    the core keeps only q, k, v: the b·H·T² terms vanish
-#   full recompute         a checkpointed block keeps its input, N·C (N·C/t with sequence
-#                          parallelism, or with partitioned activations, partition.py)
-
-
-def saved_elements_per_block(b: int, T: int, C: int, H: int, tp: int = 1, sequence_parallel: bool = False,
-                             dropout: bool = False, selective: bool = False) -> dict:
-    """{"whole", "split", "attention"}: elements one rank saves in one block's forward, by how they
-    scale (whole on every rank, split over tp, the core's T² terms); sum them for the total."""
-    N, p = b * T, int(dropout)
-    whole = (4 + 2 * p) * N * C + 2 * N  # layer norms, qkv/fc inputs, masks
-    split = 12 * N * C  # q, k, v, proj input, GeLU input and output
-    attention = 0 if selective else (1 + 2 * p) * b * H * T * T
-    if sequence_parallel:
-        return {"whole": 0, "split": (whole + split) // tp, "attention": attention // tp}
-    return {"whole": whole, "split": split // tp, "attention": attention // tp}
-
-
-def saved_bytes_per_block(b: int, T: int, C: int, H: int, tp: int = 1, sequence_parallel: bool = False,
-                          dropout: bool = False, selective: bool = False, itemsize: int = 8) -> int:
-    return itemsize * sum(saved_elements_per_block(b, T, C, H, tp, sequence_parallel, dropout, selective).values())
-
-
-def korthikanti_bytes_per_block(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                                selective: bool = False) -> float:
-    """The paper's activation bytes per layer (16-bit activations, 1-byte masks; Table 2):
-    sbh(10 + 24/t + 5as/(ht)), with sequence parallelism sbh(34/t + 5as/(ht)); selective
-    recomputation drops the 5as/(ht) term."""
-    core = 0.0 if selective else 5 * a * s / (h * t)
-    return s * b * h * ((34 / t if sequence_parallel else 10 + 24 / t) + core)
-
-
-# -- 3. parameters per rank --------------------------------------------------------------------------
-
-def parameters_per_rank(vocab: int, seq_len: int, C: int, layers: int, tp: int = 1, tied: bool = False) -> dict:
-    """{"split", "whole"}: parameter elements a tp rank holds (the whole GPT; a pipeline stage holds
-    its part), with the vocabulary padded to a multiple of tp. Per block 12C² + 7C split, 6C whole."""
-    V = -(-vocab // tp) * tp
-    split = layers * (12 * C * C + 7 * C) // tp + V * C // tp * (1 if tied else 2)
-    whole = layers * 6 * C + seq_len * C + 2 * C  # per block: proj biases, ln1, ln2; wpe; ln_f
-    return {"split": split, "whole": whole}
-
-
-__all__ = ["StepShape", "elements_per_step", "bytes_per_step", "saved_elements_per_block", "saved_bytes_per_block",
-           "korthikanti_bytes_per_block", "parameters_per_rank"]
+__all__ = ["StepShape", "elements_per_step", "bytes_per_step"]

@@ -9,16 +9,19 @@ FLOP/s, memory bandwidth) and one fixed set of efficiencies, `EFFICIENCY`.
 
 Memory per GPU (bytes), on the pipeline rank that holds the most (the first or the last):
 
-    model states      the ZeRO paper's formulas (memory.py): P Ψ, G Ψ, K Ψ, each divided by dp
-                      where the stage shards it; Ψ: this rank's parameters (its blocks / tp, and
-                      the embedding or head / tp); mixed precision P = G = 2, K = 12
-    activations       saved per block (tensor_parallel/formulas.py's per-block elements, the
-                      formula the engine's saved-tensor ledger is tested against) × e bytes
-                      (2 for 16-bit, as the papers count) × blocks per stage × the schedule's
-                      peak of in-flight (stage, micro-batch) activations (the simulator's); full
-                      recomputation keeps each block's input (N·h, /tp with sequence parallelism),
-                      selective drops the attention core's b·a·s² terms; the last rank adds the
-                      head's saved logits (N·V/tp, float32)
+    model states      the ZeRO table of memory.py (memory.partitions): P Ψ, G Ψ, K Ψ, each
+                      divided by dp where the stage partitions it (the experts' by dp/ep); Ψ: this
+                      rank's parameters (memory.gpt_parameter_tensors: its blocks / tp, its E/ep
+                      experts, the embedding or head / tp); mixed precision P = G = 2, K = 12
+    activations       memory.saved_elements_per_block (the formula the engine's saved-tensor ledger
+                      is tested against: tp, sequence parallelism, selective recomputation, full
+                      recomputation's kept input N·h, and the experts' bound averaged over the
+                      stage's blocks) × e bytes (2 for 16-bit, as the papers count) × blocks per
+                      stage × the schedule's peak of in-flight (stage, micro-batch) activations (the
+                      simulator's); the last rank adds the loss's probabilities, N·⌈V/tp⌉. Unlike
+                      memory.saved_bytes (exact for refimpl's process) it leaves out the embedding's
+                      mask and ln_f's N·(2h + 1) and keeps the probabilities in float32: the papers
+                      count the blocks and the logits, and 16-bit training keeps the loss in float32.
     working           one block's activations while it is recomputed (full), and the larger of
                       the attention scores (2·b·(a/tp)·s²·e) and the float32 logits' gradient
     buffers           two gradient buckets (`BUCKET_BYTES`, ZeRO 0–2), ZeRO-3's gathered
@@ -61,9 +64,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from refimpl.memory import PRECISIONS, STAGE_NAMES
-from refimpl.parallel.pipeline.schedules import SCHEDULES
-from refimpl.parallel.tensor_parallel.formulas import saved_elements_per_block
+from refimpl.memory import (
+    PRECISIONS,
+    STAGE_NAMES,
+    expert_blocks,
+    expert_elements_per_token,
+    gpt_parameters,
+    partitions,
+    saved_elements_outside_blocks,
+    saved_elements_per_block,
+)
+from refimpl.parallel.pipeline.schedules import SCHEDULES, build
 
 from .collectives import Group, Links
 from .hardware import Cluster
@@ -135,7 +146,7 @@ class Run:
     def stages(self) -> int:
         return self.pp * visits(self.schedule, self.chunks) if self.pp > 1 else 1
 
-    def check(self) -> "Run":
+    def check(self) -> Run:
         """Raise ValueError (one line: what is wrong and how to fix it) for a configuration that cannot run."""
         for name in ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "batch_size", "micro_batch_size",
                      "dp", "tp", "pp"):
@@ -165,7 +176,6 @@ class Run:
         if self.pp > 1:
             if self.schedule not in SCHEDULES:
                 raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-            from refimpl.parallel.pipeline import build
             build(self.schedule, self.pp, min(self.micro_batches, 4 * self.pp + self.micro_batches % (2 * self.pp)),
                   self.chunks)  # the generator's own checks (even pp, m >= 2pp, ...), on a short run
             if self.schedule == "interleaved" and self.micro_batches % self.pp:
@@ -188,18 +198,14 @@ class Run:
 
 
 def moe_blocks(run: Run, blocks: int) -> int:
-    """Blocks with experts among `blocks` (every moe_every-th, as nn/models.py)."""
-    return blocks // run.moe_every if run.experts else 0
+    """Blocks with experts among `blocks` (memory.expert_blocks)."""
+    return expert_blocks(blocks, run.experts, run.moe_every)
 
 
 def parameters(run: Run) -> int:
-    """Ψ of the whole model (refimpl's GPT: untied head unless tie_weights)."""
-    h, V = run.d_model, run.vocab_size
-    moe = moe_blocks(run, run.n_layer)
-    dense_blocks = run.n_layer - moe
-    expert_block = 4 * h * h + 8 * h + run.experts * (8 * h * h + 5 * h + h)
-    blocks = dense_blocks * (12 * h * h + 13 * h) + moe * expert_block
-    return blocks + V * h + run.seq_len * h + 2 * h + (0 if run.tie_weights else V * h)
+    """Ψ of the whole model (memory.gpt_parameter_tensors: refimpl's GPT, untied head unless tie_weights)."""
+    return sum(gpt_parameters(run.vocab_size, run.seq_len, run.d_model, run.n_layer, tied=run.tie_weights,
+                              experts=run.experts, moe_every=run.moe_every).values())
 
 
 def matmul_parameters(run: Run) -> int:
@@ -212,20 +218,13 @@ def matmul_parameters(run: Run) -> int:
 
 
 def rank_parameters(run: Run, first: bool, last: bool) -> tuple[int, int]:
-    """(dense, expert) parameter elements one GPU holds: its blocks / tp (experts / ep), and the
-    embedding (first stage) or head (last stage) / tp. DualPipe holds two stages."""
-    h, t = run.d_model, run.tp
+    """(dense, expert) parameter elements one GPU holds (memory.gpt_parameter_tensors): its blocks
+    / tp (experts / ep), and the embedding (first stage) or head (last stage) / tp. DualPipe holds
+    two stages."""
     blocks = -(-run.n_layer // run.pp) * parameter_copies(run.schedule) if run.pp > 1 else run.n_layer
-    moe = moe_blocks(run, blocks)
-    dense = (blocks - moe) * ((12 * h * h + 7 * h) // t + 6 * h)
-    dense += moe * ((4 * h * h + 3 * h) // t + 5 * h + run.experts * h)  # attention as above; the router whole
-    experts = moe * (run.experts // run.ep) * (8 * h * h + 5 * h)  # each rank's experts
-    V = -(-run.vocab_size // t) * t
-    if first:
-        dense += V * h // t + run.seq_len * h
-    if last:
-        dense += (0 if run.tie_weights and first else V * h // t) + 2 * h
-    return dense, experts
+    held = gpt_parameters(run.vocab_size, run.seq_len, run.d_model, blocks, run.tp, run.tie_weights, run.experts,
+                          run.moe_every, run.ep, embedding=first, head=last)
+    return held["split"] + held["whole"], held["experts"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -454,27 +453,28 @@ def memory_breakdown(run: Run, cluster: Cluster, in_flight: int, first: bool, la
     e = _itemsize(run.dtype)
     p_bytes, g_bytes, k_bytes = PRECISIONS[run.dtype]
     dense, experts = rank_parameters(run, first, last)
-    z, n, n_experts = run.zero, run.dp, run.dp // run.ep
-    out = {
-        "parameters": p_bytes * (dense / n + experts / n_experts if z == 3 else dense + experts),
-        "gradients": g_bytes * (dense / n + experts / n_experts if z >= 2 else dense + experts),
-        "optimizer_states": k_bytes * (dense / n + experts / n_experts if z >= 1 else dense + experts),
-    }
-    blocks = run.blocks_per_stage
-    per_block = e * sum(saved_elements_per_block(b, s, h, a, t, run.sequence_parallel, run.dropout,
-                                                 selective=run.checkpoint == "selective").values())
-    if run.experts:
-        per_block += e * moe_blocks(run, blocks) / blocks * b * s * (run.top_k * 14 * h + 2 * run.experts)
-    kept = e * b * s * h / (t if run.sequence_parallel else 1) if run.checkpoint == "full" else per_block
+    n, n_experts = run.dp, run.dp // run.ep  # ZeRO partitions the experts over their own group, dp / ep
+    out = {}
+    for category, per_parameter in (("parameters", p_bytes), ("gradients", g_bytes), ("optimizer_states", k_bytes)):
+        held = dense / n + experts / n_experts if partitions(run.zero, category) else dense + experts
+        out[category] = per_parameter * held  # memory.py's ZeRO table
+    blocks, sp = run.blocks_per_stage, run.sequence_parallel
+    recompute = "selective" if run.checkpoint == "selective" else "none"
+    per_block = e * sum(saved_elements_per_block(b, s, h, a, t, sp, run.dropout, recompute).values())
+    if run.experts:  # the stage's share of MoE blocks, averaged over its blocks
+        per_block += e * moe_blocks(run, blocks) / blocks * b * s * expert_elements_per_token(h, run.experts, run.top_k)
+    kept = per_block
+    if run.checkpoint == "full":  # a checkpointed block keeps only its input
+        kept = e * saved_elements_per_block(b, s, h, a, t, sp, recompute="full")["input"]
     activations = in_flight * blocks * kept
-    shard = -(-V // t)  # vocabulary columns per tp rank (padded to a multiple of t)
+    logits = saved_elements_outside_blocks(b, s, h, V, tp=t)["loss"]  # N·⌈V/t⌉ on this tp rank
     if last:
-        activations += b * s * shard * 4  # the head's float32 logits, kept for the loss's backward
+        activations += 4 * logits  # the head's float32 logits, kept for the loss's backward
     out["activations"] = activations
-    working = max(2 * b * (a / t) * s * s * e, 2 * b * s * shard * 4)
+    working = max(2 * b * (a / t) * s * s * e, 2 * 4 * logits)
     out["working"] = working + (per_block if run.checkpoint == "full" else 0)  # the block being recomputed
     buffers = 2 * e * b * s * h if run.pp > 1 else 0
-    if z == 3:
+    if run.zero == 3:
         buffers += 2 * p_bytes * (12 * h * h // t)
     elif run.dp > 1:
         buffers += 2 * min(BUCKET_BYTES, g_bytes * dense)

@@ -4,7 +4,8 @@
     mpiexec -n 2 python -m refimpl tensor-parallel --table activations --d-model 64 --seq-len 32
 
 The whole world is one tensor-parallel group of t ranks (t = the number of processes). Tables
-(refimpl/parallel/tensor_parallel/formulas.py has the derivations):
+(refimpl/memory.py derives the activations and parameters, refimpl/parallel/tensor_parallel/formulas.py
+the bytes):
 
   activations  bytes one rank saves per transformer block in the forward pass: the formula,
                the saved-tensor ledger's measurement on every rank (its largest), and Korthikanti
@@ -14,7 +15,8 @@ The whole world is one tensor-parallel group of t ranks (t = the number of proce
                activations (Pa) or sequence parallelism
   bytes        bytes a rank sends on the group in one training step (the second: the first also
                builds buffers), by kind, against formulas.bytes_per_step
-  parameters   parameter elements per rank (split over t, and whole on every rank)
+  parameters   parameter elements per rank (split over t, and whole on every rank), against
+               memory.gpt_parameters
 
 Every "measured" figure is exact and the same on any machine (float64); --json prints them all.
 """
@@ -26,6 +28,7 @@ import argparse
 import numpy as np
 
 from refimpl import backend
+from refimpl.memory import gpt_parameters, korthikanti_bytes_per_block, saved_bytes_per_block
 from refimpl.tools.console import emit_json, log
 
 TABLES = ("activations", "bytes", "parameters")
@@ -49,7 +52,8 @@ def check(args) -> None:
     if args.d_model % args.n_head:
         raise ValueError(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.n_layer < 2:
-        raise ValueError("--n-layer must be at least 2 (full recomputation keeps the inputs of all blocks but the last)")
+        raise ValueError("--n-layer must be at least 2 "
+                         "(full recomputation keeps the inputs of all blocks but the last)")
 
 
 def _gpt(args):
@@ -75,8 +79,6 @@ def measure_activations(args, world) -> list[dict]:
     from refimpl.checkpointing import checkpoint_sequential, selective_recomputation  # noqa: PLC0415
     from refimpl.nn.batch_rows import batch_rows  # noqa: PLC0415
     from refimpl.parallel.tensor_parallel import PartitionedActivations  # noqa: PLC0415
-    from refimpl.parallel.tensor_parallel.formulas import (korthikanti_bytes_per_block,  # noqa: PLC0415
-                                                           saved_bytes_per_block)
 
     t, b, T, C, H, L = world.size, args.batch_size, args.seq_len, args.d_model, args.n_head, args.n_layer
     dropout = args.dropout > 0
@@ -96,9 +98,11 @@ def measure_activations(args, world) -> list[dict]:
         return kept
 
     rows = []
-    for name, sp, selective in (("tensor parallel", False, False), ("+ sequence parallel", True, False),
-                                ("selective recomputation", False, True), ("sequence parallel + selective", True, True)):
-        rows.append({"mode": name, "formula": saved_bytes_per_block(b, T, C, H, t, sp, dropout, selective),
+    modes = (("tensor parallel", False, "none"), ("+ sequence parallel", True, "none"),
+             ("selective recomputation", False, "selective"), ("sequence parallel + selective", True, "selective"))
+    for name, sp, recompute in modes:
+        selective = recompute == "selective"
+        rows.append({"mode": name, "formula": saved_bytes_per_block(b, T, C, H, t, sp, dropout, recompute),
                      "measured": saved(sp, selective),
                      "korthikanti_16bit": korthikanti_bytes_per_block(T, b, C, H, t, sp, selective)})
     one_block = {sp: saved(sp) for sp in (False, True)}
@@ -108,7 +112,7 @@ def measure_activations(args, world) -> list[dict]:
         if partition and t == 1:
             continue
         chain = saved(sp, plan="every:1", partition=partition)  # L − 1 kept inputs + the last block recorded
-        kept = b * T * C * 8 // (t if sp or partition else 1)
+        kept = saved_bytes_per_block(b, T, C, H, t, sp, recompute="full", partitioned=partition)
         rows.append({"mode": name, "formula": kept, "measured": (chain - one_block[sp]) // (L - 1),
                      "korthikanti_16bit": 2 * T * b * C / (t if sp or partition else 1)})
     for row in rows:  # the largest over the group's ranks (they are equal when the formula holds)
@@ -143,13 +147,11 @@ def measure_bytes(args, world) -> list[dict]:
 
 
 def parameters(args, world) -> list[dict]:
-    from refimpl.parallel.tensor_parallel.formulas import parameters_per_rank  # noqa: PLC0415
-
     model, tp = _model(args, world, False)
     named = dict(model.named_parameters())
     measured = {"split": sum(p.size for name, p in named.items() if name in tp.splits),
                 "whole": sum(p.size for name, p in named.items() if name not in tp.splits)}
-    formula = parameters_per_rank(11, args.seq_len, args.d_model, args.n_layer, world.size)
+    formula = gpt_parameters(11, args.seq_len, args.d_model, args.n_layer, tp=world.size)
     return [{"kind": kind, "formula": formula[kind], "measured": measured[kind]} for kind in ("split", "whole")]
 
 

@@ -13,14 +13,14 @@ NumPy overflow.
 The estimate, per rank (N ranks, dp data-parallel ranks = N/(pp·tp), g micro-batches per step, b the
 micro-batch on this rank = ⌈B/(dp·g)⌉, or ⌈B/(dp·M)⌉ for a pipeline of M micro-batches):
 
-  parameters+optimizer  the ZeRO paper's model states per rank (memory.model_state_bytes;
-                        Rajbhandari et al., arXiv 1910.02054, Table 1) for the stage, P/G/K bytes
-                        of the precision and optimizer (memory.bytes_per_parameter), at the padded
-                        Ψ' = Ψ + (N−1)·(parameter tensors) (each flat buffer is padded by at most
-                        N−1 elements, and there are no more buffers than tensors). Ψ is counted
-                        from the flags (parameter_tensors), not from a model. A pipeline rank
-                        keeps the whole model's parameters (stage.py builds the whole model on
-                        every rank) and gradients and optimizer state for its own stages.
+  parameters+optimizer  the model states per rank of memory.py's ZeRO table (model_state_bytes)
+                        for the stage, P/G/K bytes of the precision and optimizer
+                        (memory.bytes_per_parameter), at the padded Ψ' = Ψ + (N−1)·(parameter
+                        tensors) (each flat buffer is padded by at most N−1 elements, and there
+                        are no more buffers than tensors). Ψ is counted from the flags
+                        (memory.gpt_parameter_tensors), not from a model. A pipeline rank keeps the
+                        whole model's parameters (stage.py builds the whole model on every rank)
+                        and, for its own stages, ZeRO-1's row at any stage (a bound).
   buffers               transient gradient buckets and flat groups (2 groups in flight of at most
                         max(--bucket-bytes, the largest tensor)), reduce-scatter outputs (GΨ'/N),
                         ZeRO-3's gathered modules (+ --prefetch), mixed precision's float32
@@ -36,9 +36,9 @@ micro-batch on this rank = ⌈B/(dp·g)⌉, or ⌈B/(dp·M)⌉ for a pipeline of
                         assumed: a --checkpoint plan only lowers the peak, so this is its bound.
   data                  the global batch, which every rank draws whole (6 int64 arrays of
                         B·(s+1), or 10 float64 arrays of B for the spirals), the data set's token
-                        ids, and a pipeline schedule's action lists (4 kB per stage and
-                        micro-batch: measured, validation included, at most 2.2 kB).
-  process               64 MB per rank: the interpreter, NumPy, refimpl (and mpi4py) loaded.
+                        ids, and a pipeline schedule's action lists (SCHEDULE_ENTRY_BYTES per
+                        stage and micro-batch, validation included).
+  process               PROCESS_BYTES per rank: the interpreter, NumPy, refimpl (and mpi4py).
 
 and the peak is the larger of that sum and the peak while the model is built: every rank builds
 the whole model (P·Ψ), a flat copy (P·Ψ), float64 draws of its largest matrix (16 bytes per
@@ -46,40 +46,35 @@ element) and the causal masks with np.triu's temporaries. verify's rank 0 also h
 single-process reference (the whole model at DP: (P+G+K)Ψ, its activations on the whole batch)
 and every step's recorded parameters and gradients.
 
-The GPT's activations, from what refimpl's autograd actually keeps (in units of e·b·s bytes, e the
-bytes of a computed element: 8 in float64, 4 in float32 and in mixed precision, whose float16
-storage computes in float32; h width, a heads, V vocabulary, s sequence):
+Activations: memory.py's saved elements (saved_elements_per_block and saved_elements_outside_blocks,
+the one formula, exact against the engine's saved-tensor ledger) plus what the autograd graph
+holds that backward does not need, at e bytes per element (8 in float64, 4 in float32 and in
+mixed precision, whose float16 storage computes in float32), per token (h width, a heads,
+V vocabulary, s sequence):
 
-    per block, held by the graph   21h + 2 + 2as   ln1's x̂, y and 1/σ (2h+1), qkv (3h), scores and
-                                                   probabilities (2as), att·v, its reshaped copy,
-                                                   proj, the residual (4h), ln2 (2h+1), fc1, gelu
-                                                   (8h), fc2 and the residual (2h)
-        with dropout             + 4h + 2as        masks and outputs (attention, residual, MLP)
-    embedding                      2h (+ 2h)       token + position embeddings and their sum
-    head                           2h + 1 + 2V     ln_f, logits, softmax probabilities
-    working set (not held)         3V + 2as + 16h  cross-entropy's temporaries, softmax's backward,
-                                                   the MLP's gelu backward (+ 2as·8/e with dropout:
-                                                   its float64 draws)
+    per block        + 5h + as (+ 2h)      the attention scores, the heads' output before its
+                                           reshape, proj's and fc2's outputs, the two residual
+                                           sums (with dropout: its outputs after attention and MLP)
+    embedding        + 2h (+ h)            wte's output and the sum with wpe (dropout's output)
+    head             + V                   the logits, beside the probabilities the loss saves
+    working set      3V + 2as + 16h        not held: cross-entropy's temporaries, softmax's
+                                           backward, the MLP's gelu backward (+ 2as·8/e with
+                                           dropout: its float64 draws)
 
-plus the token ids (8 bytes per position) and 64 kB of Python objects per block and micro-batch.
-The subset that the engine's saved-tensor ledger counts (autograd/saved.py) is exactly, per
-micro-batch (`saved_bytes`, tested equal to the ledger's peak):
+plus the token ids (8 bytes per position) and GRAPH_OBJECT_BYTES of Python objects per block and
+micro-batch. A mixture of experts counts its E expert MLPs and router in Ψ and the bound
+memory.expert_elements_per_token in every block. The MLP classifier's graph holds, beside the
+saved elements, each Linear's output and the logits; its working set is 5·max(width) + 3K.
 
-    e·b·s·[L·(16h + 2 + as) + 2h + 1 + V] + e     (+ e·b·s·[L·(2h + 2as) + h] with dropout)
-
-For the MLP (units of e·b; widths w_0 = 2 features, w_1..w_L = h, w_(L+1) = K classes): the graph
-holds w_0 + 2·Σ w_i + 2K, the working set is 5·max(w) + 3K, and the ledger counts
-w_0 + Σ w_i + K (+ e for the loss).
-
-On the measured configurations (tests/test_preflight.py) the activation estimate is 1.7 to 2.5 times the
-saved-tensor peak per graph held (3.9 for the MLP): it includes what the graph holds that backward
-does not need. The whole estimate is 1.4 to 2.6 times the process's true peak as tracemalloc
-measures it (NumPy's and Python's allocations), never below it. It is an upper bound for refusing
-runs, not a formula to plan with. A mixture of experts counts its E expert MLPs and router in Ψ
-(expert parallelism's E/P per rank is not modelled: a bound) and K tokens' worth of MLP activations
-and dispatch copies per token in every block. Tensor parallelism is not modelled here: a tp rank is estimated
-as if it held the whole model and its activations (an upper bound; the exact per-rank formulas,
-derived like Korthikanti et al.'s for Megatron, are refimpl/parallel/tensor_parallel/formulas.py).
+What is estimated, and why it is an upper bound: every array the graph keeps alive (not only
+the saved ones), as many graphs as the trainer can hold at once, the largest operation's
+temporaries, rounded-up Python objects, the data and the process; nothing that only lowers the
+peak is modelled (activation checkpointing, expert parallelism's E/ep experts per rank, tensor
+parallelism: a tp rank is estimated as if it held the whole model and its activations). It is
+a bound for refusing runs, not a formula to plan with. Where it differs from the cluster model
+(tools/cluster/model.py), which evaluates the same formulas for a GPU: it counts a NumPy process
+(the graph's outputs beyond the saved tensors, temporaries, Python objects, the data and the
+interpreter) and refimpl's float32 arithmetic under mixed precision.
 
 Available memory, per host: the REFIMPL_MEMORY_LIMIT environment variable if set (a size:
 2GB, 512MiB; `off` skips the check), else the least of MemAvailable in /proc/meminfo and the
@@ -99,12 +94,25 @@ import sys
 from dataclasses import dataclass, field
 
 from refimpl import backend
-from refimpl.memory import bytes_per_parameter, format_bytes, model_state_bytes, parse_bytes
+from refimpl.memory import (
+    bytes_per_parameter,
+    format_bytes,
+    gpt_parameter_tensors,
+    gpt_parameters,
+    model_state_bytes,
+    parse_bytes,
+    saved_elements,
+    saved_elements_outside_blocks,
+    saved_elements_per_block,
+)
+from refimpl.parallel.pipeline.simulate import peak_in_flight
 from refimpl.tools.plugin import build_schedule
+from refimpl.tools.runtime.failure import AgreedError, agree
 
-PROCESS_BYTES = 64 * 10**6  # the interpreter with NumPy and refimpl imported: about 30 MB RSS measured
-GRAPH_OBJECT_BYTES = 64_000  # Python objects of one block's graph per micro-batch: about 41 kB measured
-SCHEDULE_ENTRY_BYTES = 4096  # a schedule's actions per (stage, micro-batch), validated: at most 2.2 kB measured
+# Bounds with a margin over what tests/test_preflight.py measures:
+PROCESS_BYTES = 64 * 10**6  # the interpreter with NumPy and refimpl imported
+GRAPH_OBJECT_BYTES = 64_000  # Python objects of one block's graph per micro-batch
+SCHEDULE_ENTRY_BYTES = 4096  # a schedule's actions per (stage, micro-batch), validated
 BUILD_SCHEDULE_UP_TO = 20_000  # stages × micro-batches: beyond, in-flight micro-batches are bounded, not simulated
 LIMIT_VARIABLE = "REFIMPL_MEMORY_LIMIT"
 EVAL_BATCH = {"sort": 256, "text": 64, "mlp": 1024}  # data.py's eval_batch sizes
@@ -121,26 +129,13 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def parameter_tensors(cfg, vocab: int, seq: int) -> list[tuple[int, int]]:
-    """The model's parameter tensors as (elements, how many), in build_model's order of kinds.
-
-    GPT (vocab V, sequence s, width h, L blocks): wte V·h, wpe s·h, per block ln1 (h, h),
-    qkv (3h², 3h), proj (h², h), ln2 (h, h), fc1 (4h², 4h), fc2 (4h², h); ln_f (h, h); lm_head V·h
-    (untied). MLP (vocab = K classes): a weight and a bias per layer of widths 2 → h (L times) → K.
-    """
+    """The model's parameter tensors as (elements, how many). GPT (vocab V, sequence s): the whole
+    model of memory.gpt_parameter_tensors. MLP (vocab = K classes): a weight and a bias per layer of
+    widths 2 → h (L times) → K."""
     h, L = cfg.d_model, cfg.n_layer
     if cfg.model == "mlp":
         return [(2 * h, 1), (h, 1), (h * h, L - 1), (h, L - 1), (h * vocab, 1), (vocab, 1)]
-    moe = _moe_blocks(cfg)  # a mixture of experts: E copies of the MLP and a router (E, h) in those blocks
-    mlps = L - moe + cfg.experts * moe
-    return [(vocab * h, 1), (seq * h, 1),
-            (h, 2 * L), (3 * h * h, L), (3 * h, L), (h * h, L), (h, L), (h, 2 * L),
-            (4 * h * h, mlps), (4 * h, mlps), (4 * h * h, mlps), (h, mlps), (cfg.experts * h, moe), (h, 2),
-            (vocab * h, 1)]
-
-
-def _moe_blocks(cfg) -> int:
-    """Blocks with a mixture of experts (every moe_every-th; nn/models.py GPTConfig.has_experts)."""
-    return sum(1 for i in range(cfg.n_layer) if i % cfg.moe_every == cfg.moe_every - 1) if cfg.experts else 0
+    return [(n, k) for n, k, _ in gpt_parameter_tensors(vocab, seq, h, L, experts=cfg.experts, moe_every=cfg.moe_every)]
 
 
 def count(tensors) -> int:
@@ -149,16 +144,14 @@ def count(tensors) -> int:
 
 
 def _layer_parameters(cfg) -> int:
-    """Parameters of one of the chain's layers: a GPT block (12h² + 13h; with experts the largest,
-    an MoE block: E MLPs of 8h² + 5h and a router E·h) or an MLP hidden layer."""
-    h = cfg.d_model
+    """Parameters of the chain's largest layer: a GPT block (with experts, an MoE block) or an MLP hidden layer."""
     if cfg.model != "gpt":
-        return h * h + h
-    return 12 * h * h + 13 * h + ((cfg.experts - 1) * (8 * h * h + 5 * h) + cfg.experts * h if cfg.experts else 0)
+        return cfg.d_model * cfg.d_model + cfg.d_model
+    return sum(gpt_parameters(0, 0, cfg.d_model, 1, experts=cfg.experts, embedding=False, head=False).values())
 
 
 # ------------------------------------------------------------------------------------------------
-# Activations, from what the autograd engine keeps
+# Activations: memory.py's saved elements, and what the graph holds beside them
 # ------------------------------------------------------------------------------------------------
 
 
@@ -174,32 +167,27 @@ class Shape:
     e: int  # bytes per computed element
     dropout: bool
     loss_scaled: bool = False  # mixed precision: loss · S saves one more scalar
-    moe: int = 0  # extra units per block and token of a mixture of experts (every block counted: a bound)
-
-
-def saved_bytes(shape: Shape, b: int, layers: int) -> int:
-    """Bytes the saved-tensor ledger counts at its peak for one micro-batch of b through `layers`
-    blocks, the embedding and the head (exact: the module docstring's formula)."""
-    s, h, a, V, e = shape.s, shape.h, shape.a, shape.vocab, shape.e
-    if shape.model == "mlp":
-        return e * b * (2 + layers * h + V) + e * (1 + shape.loss_scaled)
-    per_block = 16 * h + 2 + a * s + (2 * h + 2 * a * s if shape.dropout else 0)
-    return e * b * s * (layers * per_block + 2 * h + 1 + V + (h if shape.dropout else 0)) + e * (1 + shape.loss_scaled)
+    experts: int = 0  # a mixture of experts in every block (a bound), K per token
+    top_k: int = 0
 
 
 def graph_bytes(shape: Shape, b: int, layers: int, embed: bool = True, head: bool = True) -> int:
-    """Bytes the autograd graph of one micro-batch holds until it is dropped (module docstring)."""
-    s, h, a, V, e = shape.s, shape.h, shape.a, shape.vocab, shape.e
+    """Bytes the autograd graph of one micro-batch holds until it is dropped: the saved elements and
+    the outputs backward does not need (module docstring), the token ids and the Python objects."""
+    s, h, a, V, e, p = shape.s, shape.h, shape.a, shape.vocab, shape.e, int(shape.dropout)
     objects = GRAPH_OBJECT_BYTES * (layers + 2)
-    if shape.model == "mlp":
-        return e * b * (2 + 2 * layers * h + 2 * V) + objects
-    per_block = 21 * h + 2 + 2 * a * s + (4 * h + 2 * a * s if shape.dropout else 0) + shape.moe
-    units = layers * per_block
+    if shape.model == "mlp":  # beside the saved elements: each Linear's output, the logits
+        return e * (saved_elements(b, 0, h, 0, V, layers, model="mlp") + b * (layers * h + V)) + objects
+    N = b * s
+    block = sum(saved_elements_per_block(b, s, h, a, dropout=shape.dropout, experts=shape.experts,
+                                         top_k=shape.top_k).values())
+    elements = layers * (block + N * (5 * h + a * s + 2 * p * h))
+    ends = saved_elements_outside_blocks(b, s, h, V, shape.dropout)
     if embed:
-        units += 2 * h + (2 * h if shape.dropout else 0)
+        elements += ends["embedding"] + N * (2 + p) * h
     if head:
-        units += 2 * h + 1 + 2 * V
-    return e * b * s * units + 8 * b * s * embed + objects
+        elements += ends["final_norm"] + 2 * ends["loss"]  # the logits beside the probabilities
+    return e * elements + 8 * N * embed + objects
 
 
 def working_bytes(shape: Shape, b: int) -> int:
@@ -233,7 +221,7 @@ class Estimate:
     def total(self) -> int:
         return max(self.running, self.build + PROCESS_BYTES)
 
-    def add(self, other: "Estimate") -> None:
+    def add(self, other: Estimate) -> None:
         for part in PARTS:
             self.parts[part] += other.parts[part]
         self.build += other.build
@@ -257,10 +245,8 @@ def _task_bytes(task) -> int:
 
 def _shape(cfg, vocab: int, seq: int) -> Shape:
     e = 8 if cfg.dtype == "float64" else 4  # float16 storage computes in float32
-    # a mixture of experts: K tokens' worth of the MLP's activations (10h) and of the dispatch and
-    # combine copies (4h), and the router's logits and probabilities (2E), per token
-    moe = cfg.top_k * 14 * cfg.d_model + 2 * cfg.experts if cfg.experts else 0
-    return Shape(cfg.model, seq, cfg.d_model, max(1, cfg.n_head), vocab, e, cfg.dropout > 0, cfg.dtype == "mixed", moe)
+    return Shape(cfg.model, seq, cfg.d_model, max(1, cfg.n_head), vocab, e, cfg.dropout > 0, cfg.dtype == "mixed",
+                 cfg.experts, cfg.top_k)
 
 
 def _batch_bytes(cfg, batch: int, seq: int) -> int:
@@ -273,7 +259,7 @@ def _batch_bytes(cfg, batch: int, seq: int) -> int:
 def _pipeline(cfg, rank: int, world_size: int) -> tuple[int, int, int]:
     """(stages S, stages this rank holds, (stage, micro-batch) pairs in flight at its peak).
 
-    From the schedule itself (schedules.build, simulate.peak_in_flight) when it is small; else
+    From the schedule itself (plugin.build_schedule, simulate.peak_in_flight) when it is small; else
     bounded: every micro-batch of every stage held (GPipe's count, the most any schedule holds),
     with the stages per rank of the schedule's kind (interleaved: --chunks, V-shapes and DualPipe: 2).
     """
@@ -281,8 +267,6 @@ def _pipeline(cfg, rank: int, world_size: int) -> tuple[int, int, int]:
     per_rank = {"interleaved": cfg.chunks or 2, "zbv": 2, "dualpipe": 2, "dualpipev": 2}.get(cfg.schedule or "1f1b", 1)
     stages = pp if cfg.schedule == "dualpipe" else pp * per_rank
     if stages * M <= BUILD_SCHEDULE_UP_TO:
-        from refimpl.parallel.pipeline.simulate import peak_in_flight  # noqa: PLC0415
-
         try:
             schedule = build_schedule(cfg.schedule or "1f1b", pp, M, cfg.chunks)
             if world_size % pp:
@@ -330,7 +314,7 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
             psi_rank = min(psi, held * (layers * _layer_parameters(cfg) + ends))
         else:  # the MLP: bounded by the whole model
             layers, psi_rank = cfg.n_layer, psi
-        if cfg.zero >= 1:  # flat copies of the stages' parameters, whole gradients, K/dp (ZeRO-2/3 hold less)
+        if cfg.zero >= 1:  # memory.py's ZeRO-1 row, rounded up: a bound at every stage (ZeRO-2/3 hold less)
             states = (p + g) * psi_rank + _ceil_div(k * psi_rank, dp)
         elif mixed:  # ZeRO-0's flat buffers: parameters, gradients, float32 master weights and states, whole
             states = (p + g + k) * psi_rank
@@ -465,8 +449,6 @@ def check(cfg, task, world=None, verify: bool = False) -> Estimate:
     the bytes counted for it are the same on any backend, with any figures), and every rank
     decides from all of them. Returns this rank's estimate.
     """
-    from refimpl.tools.runtime.failure import AgreedError, agree  # noqa: PLC0415
-
     size, rank = (1, 0) if world is None else (world.size, world.rank)
     vocab = getattr(task, "vocab_size", None) or getattr(task, "n_classes", 1)
     seq = getattr(task, "seq_len", 0) if cfg.model == "gpt" else 0
