@@ -1,6 +1,6 @@
 """A whole optimizer state by parameter name: what a sharded checkpoint stores for a trainer that
 holds every parameter whole (local_trainer.LocalTrainer, parallel.data_parallel.DataParallel), and how it is
-loaded back. Sharded trainers store blocks of flat buffers instead (parallel/zero/sharding.py).
+loaded back. Sharded trainers store blocks of flat buffers instead (parallel/zero/strategy.py).
 
     masters   the arrays the optimizer updates: the parameters themselves, or float32 master
               weights under mixed precision (the float16 parameters are then copied from them)
