@@ -40,7 +40,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from refimpl.autograd import Tensor, no_grad, saved_tensors
-from refimpl.checkpointing.gpt import gpt_forward
+from refimpl.checkpointing.gpt_blocks import gpt_forward
 from refimpl.checkpointing.measure import count_forward_calls
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F

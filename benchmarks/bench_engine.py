@@ -6,8 +6,8 @@ Model: d_model 256, 4 layers, 4 heads, context 128, batch 8, float32, one BLAS t
 (threadpoolctl), AdamW. Reported as ratios measured in one run (noise on shared machines is large):
 
   (a) refimpl step time / time of the same step's matrix multiplications alone in NumPy.
-      The GEMMs are read off the recorded graph (every Linear and MatMul node, with the arrays it
-      saved) and replayed: forward product, input-gradient product and weight-gradient product.
+      The GEMMs are read off the recorded graph (every LinearFunction and MatMul node, with the
+      arrays it saved) and replayed: forward product, input-gradient product and weight-gradient product.
       Target <= 1.5.
   (b) refimpl step time / PyTorch CPU eager step time on the same model and thread count, if torch is
       importable (pip install torch==2.13.0). Target <= 2.0.
@@ -26,9 +26,9 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from refimpl.autograd import engine
+from refimpl.autograd.ops import MatMul
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
-from refimpl.autograd.ops import MatMul
 from refimpl.optim import AdamW
 
 CONFIG = dict(vocab_size=64, seq_len=128, n_layer=4, n_head=4, d_model=256, dtype="float32")
@@ -61,7 +61,7 @@ def matmul_replay(model, idx, targets):
     products = []
     rng = np.random.default_rng(0)
     for node in nodes:
-        if isinstance(node, F.Linear):
+        if isinstance(node, F.LinearFunction):
             x, w = node.saved
             g = rng.standard_normal(x.shape[:-1] + (w.shape[0],)).astype(x.dtype)
             products += [(x, w.T), (g, w), (g.reshape(-1, g.shape[-1]).T, x.reshape(-1, x.shape[-1]))]

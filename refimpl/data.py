@@ -82,7 +82,8 @@ class TextTask:
         codes = read_code_points(path)
         if len(codes) < seq_len + 2:
             raise ValueError(f"text file {path!r} has {len(codes)} characters; it needs at least "
-                             f"{seq_len + 2} for sequences of length {seq_len} (use a longer file or a smaller --seq-len)")
+                             f"{seq_len + 2} for sequences of length {seq_len} "
+                             "(use a longer file or a smaller --seq-len)")
         self.chars, self.data = tokenize(codes)
         self.split = max(seq_len + 1, int(len(self.data) * 0.9))
         if len(self.data) - self.split < seq_len + 1:
@@ -187,8 +188,8 @@ def tokenize(codes: np.ndarray) -> tuple[list[str], np.ndarray]:
 
 
 def tokenize_naive(text: str) -> tuple[list[str], np.ndarray]:
-    """tokenize with a dictionary and a loop over the characters of a string: TextTask's loading
-    before it was vectorised, kept as the reference that tokenize is tested against (int64 ids)."""
+    """tokenize with a dictionary and a loop over the characters of a string: the definition read
+    directly, the reference that tokenize is tested and benchmarked against (int64 ids)."""
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
     return chars, np.array([lookup[c] for c in text], dtype=np.int64)

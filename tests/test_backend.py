@@ -202,7 +202,8 @@ HOST_BY_DESIGN = {
                             "moved with backend.asarray"),
     "parallel/tensor_parallel/gpt.py": ({"asarray", "concatenate", "moveaxis", "stack", "zeros"},
                                         "slices are cut from the host initialisation and put back together on "
-                                        "the host (Split.shard / Split.whole: construction and verification)"),
+                                        "the host (WeightSplit.shard / WeightSplit.whole: construction and "
+                                        "verification)"),
     "objective.py": ({"asarray"}, "counts the targets of a host batch"),
     "verify.py": ({"inf"}, "an injected overflow"),
     "compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"}, "tolerances from host copies of the gradients"),

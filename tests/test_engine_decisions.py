@@ -20,7 +20,6 @@ def test_saved_bytes_are_exact_for_a_known_graph():
     z = F.linear(y, Parameter(np.ones((2, 8))))  # saves y: the same array as tanh's output, counted once
     loss = (z * z).sum()  # saves z twice (one array: 16x2 = 256 B)
     assert saved_tensors.live_bytes - base == 512 + 1024 + 256
-    assert saved_tensors.live_count >= 3
     loss.backward()
     assert saved_tensors.live_bytes == base
     assert saved_tensors.peak_bytes - base == 512 + 1024 + 256

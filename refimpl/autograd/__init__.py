@@ -10,9 +10,10 @@
 
 from . import ops
 from .engine import WeightGradWork, backward, grad
-from .gradcheck import GradcheckError, gradcheck
 from .function import Function
-from .grad_mode import enable_grad, is_enabled as is_grad_enabled, no_grad
+from .grad_mode import enable_grad, no_grad
+from .grad_mode import is_enabled as is_grad_enabled
+from .gradcheck import GradcheckError, gradcheck
 from .saved import saved_tensors
 from .tensor import Parameter, Tensor
 

@@ -33,7 +33,7 @@ from .tensor import Parameter, Tensor
 class WeightGradWork:
     """The deferred weight-gradient half of a split backward. Call run() exactly once."""
 
-    def __init__(self, pending: list, leaves: "_LeafAccumulator", retain_graph: bool) -> None:
+    def __init__(self, pending: list, leaves: _LeafAccumulator, retain_graph: bool) -> None:
         self._pending, self._leaves, self._retain = pending, leaves, retain_graph  # [(node, grads, needs)]
         self.done = False
 

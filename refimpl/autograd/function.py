@@ -110,8 +110,6 @@ class Function:
     @classmethod
     def apply(cls, *args, **options):
         """Run forward on the arrays of `args`; record the operation if a gradient is needed."""
-        from .tensor import Parameter, Tensor  # noqa: PLC0415 - tensor.py imports this module
-
         fn = cls()
         fn.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         fn._recording = grad_mode.is_enabled() and any(fn.needs_input_grad)
@@ -133,3 +131,8 @@ class Function:
 
     def backward(self, *grad_outputs, needs):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+# A real import cycle: apply() wraps its results in Tensors, and tensor.py imports ops.py, whose
+# operations subclass Function. Imported here, once Function exists.
+from .tensor import Parameter, Tensor  # noqa: E402 - the cycle above

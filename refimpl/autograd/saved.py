@@ -44,11 +44,6 @@ class SavedTensorLedger:
             del self._held[id(array)]
             self.live_bytes -= array.nbytes
 
-    @property
-    def live_count(self) -> int:
-        """Number of distinct arrays currently saved."""
-        return len(self._held)
-
     def reset_peak(self) -> None:
         """Start a new peak measurement from the current live bytes."""
         self.peak_bytes = self.live_bytes

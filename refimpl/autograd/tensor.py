@@ -32,17 +32,16 @@ class Tensor:
         self.requires_grad = bool(requires_grad)
         self.grad_fn = None
         self.output_index = 0
-        self.name = None
         self._hooks: list = []  # leaf: called on the gradient before it is accumulated
         self._post_accumulate_hooks: list = []  # leaf: called with the tensor after accumulation
         if self.requires_grad and self.data.dtype.kind != "f":
             raise TypeError(f"only floating-point tensors can require gradients, got dtype {self.data.dtype}")
 
     @classmethod
-    def _from_op(cls, data, fn, index: int) -> "Tensor":
+    def _from_op(cls, data, fn, index: int) -> Tensor:
         t = cls.__new__(cls)
         t.data, t.grad, t.requires_grad = data, None, True
-        t.grad_fn, t.output_index, t.name = fn, index, None
+        t.grad_fn, t.output_index = fn, index
         t._hooks, t._post_accumulate_hooks = [], []
         return t
 
@@ -51,7 +50,6 @@ class Tensor:
     dtype = property(lambda self: self.data.dtype)
     ndim = property(lambda self: self.data.ndim)
     size = property(lambda self: self.data.size)
-    is_leaf = property(lambda self: self.grad_fn is None)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -61,24 +59,18 @@ class Tensor:
         extra += ", requires_grad=True" if self.requires_grad and self.grad_fn is None else ""
         return f"{type(self).__name__}({self.data!r}{extra})"
 
-    def numpy(self):
-        """The data as a NumPy array (copied to the host on the CuPy backend)."""
-        return backend.to_host(self.data)
-
     def item(self) -> float:
         return self.data.item()
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """A new leaf sharing this tensor's data, with no history."""
         return Tensor(self.data)
 
     # --- autograd ---------------------------------------------------------------------------
     def backward(self, grad=None, *, retain_graph: bool = False, defer_weight_grads: bool = False):
         """Accumulate d(self)/d(leaf) into every leaf's .grad. See engine.backward."""
-        from .engine import backward  # noqa: PLC0415
-
-        return backward([self], None if grad is None else [grad], retain_graph=retain_graph,
-                        defer_weight_grads=defer_weight_grads)
+        return engine.backward([self], None if grad is None else [grad], retain_graph=retain_graph,
+                               defer_weight_grads=defer_weight_grads)
 
     def register_hook(self, hook):
         """Call hook(grad) -> new grad or None when this tensor's gradient is complete.
@@ -128,9 +120,8 @@ class Tensor:
     def sum(self, axis=None, keepdims=False): return ops.sum(self, axis, keepdims)
     def mean(self, axis=None, keepdims=False): return ops.mean(self, axis, keepdims)
     def max(self, axis=None, keepdims=False): return ops.max(self, axis, keepdims)
-    def reshape(self, *shape): return ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
-    def transpose(self, *axes): return ops.transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else (axes or None))
-    def permute(self, *axes): return self.transpose(*axes)
+    def reshape(self, *shape): return ops.reshape(self, _one_sequence_or_all(shape))
+    def transpose(self, *axes): return ops.transpose(self, _one_sequence_or_all(axes) if axes else None)
     def astype(self, dtype): return ops.astype(self, dtype)
     def split(self, sections, axis=-1): return ops.split(self, sections, axis)
     def masked_fill(self, mask, value): return ops.masked_fill(self, mask, value)
@@ -138,6 +129,11 @@ class Tensor:
     @property
     def T(self):
         return ops.transpose(self, None)
+
+
+def _one_sequence_or_all(args: tuple):
+    """reshape(2, 3) and reshape((2, 3)) alike: a single tuple or list argument is the sequence itself."""
+    return args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
 
 
 class Parameter(Tensor):
@@ -171,4 +167,6 @@ class HookHandle:
             self._hooks.remove(self._hook)
 
 
-from . import ops  # noqa: E402  (ops needs Tensor defined)
+# A real import cycle: Tensor's operators and backward() are ops.py's and engine.py's functions, and
+# both modules need the Tensor class. They are imported here, once Tensor and Parameter exist.
+from . import engine, ops  # noqa: E402 - the cycle above

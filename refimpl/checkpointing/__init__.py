@@ -16,15 +16,15 @@ For a chain of n equal layers, each recorded layer saving R bytes and each layer
     checkpoint_sequential(layers, x, plan)    a chain under a plan (sequential.py)
     parse_plan, actions_for, resolve_budget   plans (plans.py); revolve's formulas (revolve.py)
     simulate_chain                            a schedule's cost from its actions (actions.py)
-    apply_to_gpt, gpt_forward, current_plan   the GPT's blocks under a plan (gpt.py)
-    selective_recomputation                   attention cores recomputed (gpt.py; plan "selective")
+    apply_to_gpt, gpt_forward, current_plan   the GPT's blocks under a plan (gpt_blocks.py)
+    selective_recomputation                   attention cores recomputed (gpt_blocks.py; plan "selective")
     count_forward_calls, measure_chain        exact measurements (measure.py)
 """
 
 from . import actions, revolve
 from .actions import simulate_chain
 from .checkpoint import checkpoint
-from .gpt import apply_to_gpt, current_plan, gpt_forward, selective_recomputation
+from .gpt_blocks import apply_to_gpt, current_plan, gpt_forward, selective_recomputation
 from .measure import count_forward_calls, measure_chain
 from .plans import PLAN_FORMS, LayerCost, actions_for, chain_plan, parse_plan, predicted_cost, resolve_budget
 from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan

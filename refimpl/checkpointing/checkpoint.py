@@ -12,8 +12,8 @@ leaves behind only its inputs:
 so the memory of fn's activations, R, is held only for the duration of fn's own backward, at the
 price of one extra forward of fn (about a third of fn's forward+backward arithmetic).
 
-How it sits in the engine. `Checkpoint` is one autograd Function whose inputs are fn's tensor
-arguments *and* the parameters fn uses (found by walking the Modules reachable from fn; see
+How it sits in the engine. `CheckpointFunction` is one autograd Function whose inputs are fn's
+tensor arguments *and* the parameters fn uses (found by walking the Modules reachable from fn; see
 state.py). Its backward recomputes fn with grad on detached copies of the saved inputs (same
 arrays, new leaves) and differentiates the recomputed subgraph with `engine.grad`, which returns
 the gradients without touching any `.grad`. The outer engine then accumulates the parameter
@@ -88,7 +88,7 @@ class RecomputingFunction(Function):
         raise NotImplementedError
 
 
-class Checkpoint(RecomputingFunction):
+class CheckpointFunction(RecomputingFunction):
     """Positional inputs: fn's arguments (tensors and constants), then the parameters fn uses."""
 
     def forward(self, *arrays, fn, args, rng):
@@ -141,4 +141,4 @@ def checkpoint(fn, *args, preserve_rng_state: bool = True):
     rng = (generators_of(fn, *args), None)
     if preserve_rng_state and rng[0]:
         rng = (rng[0], capture_rng(rng[0]))
-    return Checkpoint.apply(*args, *params, fn=fn, args=args, rng=rng)
+    return CheckpointFunction.apply(*args, *params, fn=fn, args=args, rng=rng)

@@ -15,10 +15,11 @@ forward without knowing it. Hooks, parameters and state_dict are untouched. A se
 installs an attention-core runner in every block (CausalSelfAttention.core_runner): the core runs
 under checkpoint(), which keeps only its inputs q, k, v (selective_recomputation below).
 
-`checkpoint_stats(model)` reads what the training loop reports: forward calls per block (a
-forward pre-hook counter, recomputations included) and the peak of saved bytes (the engine's
-ledger; the caller resets its peak at the start of a step). A budget plan measures one block once
-per input shape (one extra forward of block 0, the first time) and reuses the chosen plan.
+What the training loop reports about it is measured from outside: forward calls per block
+(count_forward_calls in measure.py, a forward pre-hook counter, recomputations included) and the
+peak of saved bytes (the engine's ledger; the caller resets its peak at the start of a step). A
+budget plan measures one block once per input shape (one extra forward of block 0, the first
+time) and reuses the chosen plan.
 """
 
 from __future__ import annotations

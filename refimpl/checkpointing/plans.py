@@ -34,7 +34,7 @@ softmax, its dropout, the product with V: the tensors that grow with T²), keepi
 else; `selective+PLAN` (e.g. selective+every:2) combines it with a chain plan: the chain plan
 decides which blocks are recomputed whole, and every block that is recorded (in the forward pass,
 or when a segment is re-recorded in backward) keeps only its core's inputs q, k, v. The chain
-functions below (actions_for, predicted_cost, ...) see the chain plan; gpt.py installs both.
+functions below (actions_for, predicted_cost, ...) see the chain plan; gpt_blocks.py installs both.
 
 The peak of a plan is predicted by simulating its actions (actions.simulate_chain) with the layer's
 measured A, R and whether it saves its input array (LayerCost); the tests check the prediction
@@ -69,7 +69,7 @@ class Every:
 
 
 @dataclass(frozen=True)
-class Sqrt:
+class SqrtSegments:
     def __str__(self) -> str:
         return "sqrt"
 
@@ -121,7 +121,7 @@ class LayerCost:
 
 def parse_plan(text) -> object:
     """'none' | 'sqrt' | 'every:K' | 'revolve:C' | 'budget:BYTES' -> a plan object (plans pass through)."""
-    if isinstance(text, (NoCheckpoint, Every, Sqrt, Revolve, Budget, Selective)):
+    if isinstance(text, (NoCheckpoint, Every, SqrtSegments, Revolve, Budget, Selective)):
         return text
     if not isinstance(text, str):
         raise TypeError(f"a checkpointing plan is a string ({PLAN_FORMS}), got {type(text).__name__}")
@@ -138,7 +138,7 @@ def parse_plan(text) -> object:
     if name in ("none", "sqrt"):
         if arg:
             raise ValueError(f"checkpointing plan {name!r} takes no argument, got {text!r}")
-        return NoCheckpoint() if name == "none" else Sqrt()
+        return NoCheckpoint() if name == "none" else SqrtSegments()
     if name in ("every", "revolve"):
         what = "K (layers per segment)" if name == "every" else "C (snapshot slots)"
         try:
@@ -194,7 +194,7 @@ def actions_for(plan, n: int) -> list | None:
         return None
     if isinstance(plan, Every):
         return segment_actions(n, plan.k)
-    if isinstance(plan, Sqrt):
+    if isinstance(plan, SqrtSegments):
         return segment_actions(n, sqrt_segment(n))
     if isinstance(plan, Revolve):
         return revolve.plan(n, plan.slots)

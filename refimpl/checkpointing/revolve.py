@@ -36,9 +36,9 @@ that slot, restore x_i and reverse i+1..i+d with f free slots. The cost of that 
 d + t(j − i − d, f) + t(d, f + 1), and the planner takes the d that minimises it (using the closed
 form for the two sub-costs). With no free slot, it restarts from x_i for every layer. The tests
 check that executing the plan in the engine costs exactly t(n, slots) advances (counted inside
-the layers), and that t equals a brute-force optimum: `brute_force_advances`, a shortest-path
-search over every sequence of snapshot, free, restore and advance, written to be obviously
-correct rather than fast.
+the layers), and that t equals a brute-force optimum: a shortest-path search over every sequence
+of snapshot, free, restore and advance, written to be obviously correct rather than fast
+(tests/test_checkpoint_revolve.py).
 
 What production systems do differently. Revolve is the standard in adjoint codes (ADOL-C, dolfin-
 adjoint, checkpointing libraries for PDE solvers); deep-learning frameworks mostly use uniform
@@ -48,8 +48,7 @@ are many times its input A, and layers are few (tens, not thousands).
 
 from __future__ import annotations
 
-import heapq
-from functools import lru_cache
+from functools import cache
 from math import comb
 
 from .actions import Advance, Backprop, Free, Record, Restore, Snapshot
@@ -82,7 +81,7 @@ def _check(l: int, s: int) -> None:
         raise ValueError(f"revolve needs at least one snapshot slot (it holds the chain's input), got {s}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _best_split(length: int, free: int) -> int:
     """The d in 1..length-1 minimising d + t(length − d, free) + t(d, free + 1) (the largest, on ties)."""
     best_d, best_cost = 0, None
@@ -130,42 +129,3 @@ def plan(n: int, slots: int) -> list:
     reverse(0, n, slots - 1)
     actions.append(Free(0))
     return actions
-
-
-def brute_force_advances(n: int, slots: int) -> int:
-    """The fewest advances over *all* schedules, by a shortest-path search (small n only).
-
-    A state is (j, kept, p): layers j+1..n are reversed, `kept` is the set of snapshot positions,
-    p is the position of the state in hand (−1: none). Moves: advance p → p+1 (cost 1, only up to
-    x_(j-1)), snapshot p (if a slot is free), free or restore any snapshot (cost 0), and reverse
-    layer j when p = j − 1 (cost 0: its recorded forward is not an advance). Start (n, ∅, 0), goal
-    j = 0. Dijkstra's algorithm with costs 0 and 1.
-    """
-    _check(n, slots)
-    start = (n, frozenset(), 0)
-    dist = {start: 0}
-    queue = [(0, 0, start)]
-    tie = 0
-    while queue:
-        cost, _, state = heapq.heappop(queue)
-        if dist[state] < cost:
-            continue
-        j, kept, p = state
-        if j == 0:
-            return cost
-        moves = []
-        if 0 <= p < j - 1:
-            moves.append((1, (j, kept, p + 1)))
-        if p >= 0 and p not in kept and len(kept) < slots:
-            moves.append((0, (j, kept | {p}, p)))
-        for q in kept:
-            moves.append((0, (j, kept - {q}, p)))
-            moves.append((0, (j, kept, q)))
-        if p == j - 1:
-            moves.append((0, (j - 1, frozenset(q for q in kept if q < j - 1), -1)))
-        for step, nxt in moves:
-            if cost + step < dist.get(nxt, cost + step + 1):
-                dist[nxt] = cost + step
-                tie += 1
-                heapq.heappush(queue, (cost + step, tie, nxt))
-    raise AssertionError("unreachable: every chain can be reversed with one slot")

@@ -13,7 +13,7 @@ budget:BYTES needs the layer's memory model (LayerCost: input bytes A, bytes a r
 saves R, and whether that includes its input array). Pass it as `layer_cost`, or let
 `measure_layer_cost` find it: it records the first layer once on a copy of x, reads the engine's
 saved-tensor ledger and releases that graph (its random state is put back). That probe is one
-extra forward of the first layer, which a forward counter will see; the GPT integration (gpt.py)
+extra forward of the first layer, which a forward counter will see; the GPT integration (gpt_blocks.py)
 measures once and reuses the result.
 """
 
@@ -49,7 +49,7 @@ def checkpoint_sequential(layers, x: Tensor, plan="sqrt", *, preserve_rng_state:
 
 def resolve_plan(plan, layers, x: Tensor, layer_cost: LayerCost | None = None):
     """The concrete plan (none, every:K, sqrt, revolve:C) for this chain; budgets are resolved here.
-    Of a selective plan, the chain plan (the attention cores are gpt.py's business)."""
+    Of a selective plan, the chain plan (the attention cores are gpt_blocks.py's business)."""
     plan = chain_plan(plan)
     if isinstance(plan, Budget):
         cost = layer_cost if layer_cost is not None else measure_layer_cost(layers[0], x)

@@ -107,11 +107,6 @@ def generators_of(*objects) -> list:
 
 def capture_rng(generators: list) -> list:
     """The current state of each generator (a small dict; a PCG64 state is two 128-bit integers)."""
-    for g in generators:
-        if not hasattr(g.bit_generator, "state"):
-            raise NotImplementedError(
-                f"preserve_rng_state: the state of a {type(g.bit_generator).__name__} generator cannot be "
-                "read and set here (NumPy generators can); pass preserve_rng_state=False or use dropout 0")
     return [g.bit_generator.state for g in generators]
 
 

@@ -36,6 +36,13 @@ def current() -> Rows | None:
     return _current
 
 
+def set_current(rows: Rows | None) -> None:
+    """Make `rows` the current ones (what `restored` does on entry; the F&B Interleaver restores a
+    task's own rows when it resumes: parallel/pipeline/overlap.py)."""
+    global _current
+    _current = rows
+
+
 class restored:
     """Context manager: run with `rows` (a Rows captured earlier by current(), or None) as the context.
 

@@ -1,14 +1,17 @@
 """Neural-network operations as fused autograd Functions.
 
 Each is one Function with a hand-written backward (faster and clearer than a chain of primitive
-ops), checked against finite differences by the tests. Legend: N rows (any leading dims), C
-features, V classes / vocabulary, (…) any leading dimensions.
+ops), checked against finite differences by the tests: the class `<Op>Function` (LinearFunction,
+LayerNormFunction, ...), and the function `<op>(...)` below it that checks its arguments and
+applies it. The Modules of nn/layers.py (Linear, LayerNorm, Embedding, Dropout) hold the
+parameters and call these functions. Legend: N rows (any leading dims), C features, V classes /
+vocabulary, (…) any leading dimensions.
 
     linear(x, w, b)            y = x wᵀ + b              w: (out, in), as in PyTorch
     embedding(w, idx)          y = w[idx]                backward scatters-adds into w's rows
     layer_norm(x, w, b, eps)   y = (x − μ)/√(σ² + eps) · w + b  over the last axis
     gelu(x, approximate)       x·Φ(x) ("none") or its tanh approximation ("tanh", GPT-2's)
-    softmax, log_softmax       stable: computed from x − max(x)
+    softmax(x, axis)           stable: computed from x − max(x)
     causal_softmax(x, m, s)    softmax(s·x) with −∞ where the mask m is True (attention scores)
     cross_entropy(logits, t)   mean (or sum) of −log softmax(logits)[t] over targets ≠ ignore_index
     dropout(x, p, generator)   zero with probability p, scale the rest by 1/(1 − p)
@@ -20,6 +23,8 @@ backward asks for activation gradients (x) and weight gradients (w, b) separatel
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from refimpl import backend
 from refimpl.autograd.function import Function
@@ -36,7 +41,7 @@ def _leading_sum(a, ndim_kept: int):
 
 
 # --- linear and embedding ---------------------------------------------------------------------
-class Linear(Function):
+class LinearFunction(Function):
     def forward(self, x, w, b):
         self.save_for_backward(x, w)
         y = x @ w.T  # (…, in) @ (in, out) -> (…, out)
@@ -56,10 +61,10 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     if x.shape[-1] != w.shape[-1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features (shape {x.shape}) "
                          f"but the weight expects {w.shape[-1]} (weight shape {w.shape})")
-    return Linear.apply(x, w, b)
+    return LinearFunction.apply(x, w, b)
 
 
-class Embedding(Function):
+class EmbeddingFunction(Function):
     def forward(self, w, idx):
         self.idx, self.w_shape = idx, w.shape
         return w[idx]  # (…) -> (…, C)
@@ -76,11 +81,11 @@ def embedding(w: Tensor, idx) -> Tensor:
         raise ValueError(f"embedding: indices must be integers, got dtype {idx.dtype}")
     if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= w.shape[0]):
         raise ValueError(f"embedding: index out of range [0, {w.shape[0]}): min {int(idx.min())}, max {int(idx.max())}")
-    return Embedding.apply(w, idx)
+    return EmbeddingFunction.apply(w, idx)
 
 
 # --- normalisation ----------------------------------------------------------------------------
-class LayerNorm(Function):
+class LayerNormFunction(Function):
     def forward(self, x, w, b, eps):
         xhat = x - x.mean(axis=-1, keepdims=True)  # (…, C), centred
         var = (xhat * xhat).mean(axis=-1, keepdims=True)  # (…, 1)
@@ -111,7 +116,7 @@ def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5) -> Tensor:
     if w.shape != (x.shape[-1],) or b.shape != (x.shape[-1],):
         raise ValueError(f"layer_norm: weight {w.shape} and bias {b.shape} must both be ({x.shape[-1]},) "
                          f"for an input of shape {x.shape}")
-    return LayerNorm.apply(x, w, b, eps)
+    return LayerNormFunction.apply(x, w, b, eps)
 
 
 # --- activations ------------------------------------------------------------------------------
@@ -122,15 +127,13 @@ _GELU_C = 0.044715
 def erf(x):
     """The error function, elementwise (NumPy has none; math.erf per element is exact)."""
     if backend.name() == "cupy":
-        from cupyx.scipy.special import erf as cupy_erf  # noqa: PLC0415
+        from cupyx.scipy.special import erf as cupy_erf  # noqa: PLC0415 - an optional dependency: CuPy
 
         return cupy_erf(x)
     return _np_erf(x).astype(x.dtype, copy=False)
 
 
 def _np_erf(x):
-    import numpy as np  # noqa: PLC0415
-
     return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
 
 
@@ -144,7 +147,7 @@ def _tanh_inner(x):
     return xp().tanh(t, out=t)
 
 
-class Gelu(Function):
+class GeluFunction(Function):
     def forward(self, x, approximate):
         self.approximate = approximate
         self.save_for_backward(x)
@@ -183,11 +186,11 @@ class Gelu(Function):
 def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
     if approximate not in ("tanh", "none"):
         raise ValueError(f"gelu: approximate must be 'tanh' or 'none', got {approximate!r}")
-    return Gelu.apply(x, approximate)
+    return GeluFunction.apply(x, approximate)
 
 
 # --- softmax family ---------------------------------------------------------------------------
-class Softmax(Function):
+class SoftmaxFunction(Function):
     def forward(self, x, axis):
         self.axis = axis
         y = x - x.max(axis=axis, keepdims=True)
@@ -203,20 +206,7 @@ class Softmax(Function):
         return dx, None
 
 
-class LogSoftmax(Function):
-    def forward(self, x, axis):
-        self.axis = axis
-        shifted = x - x.max(axis=axis, keepdims=True)
-        y = shifted - xp().log(xp().exp(shifted).sum(axis=axis, keepdims=True))
-        self.save_for_backward(y)
-        return y
-
-    def backward(self, g, needs):
-        (y,) = self.saved
-        return g - xp().exp(y) * g.sum(axis=self.axis, keepdims=True), None
-
-
-class CausalSoftmax(Function):
+class CausalSoftmaxFunction(Function):
     """softmax(scale · x) over the last axis, with positions where mask is True set to −∞ first.
 
     The attention scores' scale, causal mask and softmax as one operation (fewer temporaries).
@@ -244,18 +234,14 @@ class CausalSoftmax(Function):
 def causal_softmax(x: Tensor, mask, scale: float) -> Tensor:
     """softmax(scale · x, masked with −∞ where mask) over the last axis; mask broadcasts against x."""
     mask = mask.data if isinstance(mask, Tensor) else xp().asarray(mask, dtype=bool)
-    return CausalSoftmax.apply(x, mask, scale)
+    return CausalSoftmaxFunction.apply(x, mask, scale)
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
-    return Softmax.apply(x, axis)
+    return SoftmaxFunction.apply(x, axis)
 
 
-def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
-    return LogSoftmax.apply(x, axis)
-
-
-class CrossEntropy(Function):
+class CrossEntropyFunction(Function):
     def forward(self, logits, targets, ignore_index, reduction):
         v = logits.shape[-1]
         z = logits.reshape(-1, v)  # (N, V)
@@ -294,11 +280,11 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100, reduction: 
     counted = targets[targets != ignore_index]
     if counted.size and (int(counted.min()) < 0 or int(counted.max()) >= logits.shape[-1]):
         raise ValueError(f"cross_entropy: target out of range [0, {logits.shape[-1]})")
-    return CrossEntropy.apply(logits, targets, ignore_index, reduction)
+    return CrossEntropyFunction.apply(logits, targets, ignore_index, reduction)
 
 
 # --- dropout ----------------------------------------------------------------------------------
-class Dropout(Function):
+class DropoutFunction(Function):
     def forward(self, x, mask):
         self.save_for_backward(mask)
         return x * mask
@@ -315,4 +301,4 @@ def dropout(x: Tensor, p: float, generator, training: bool = True) -> Tensor:
         return x
     keep = generator.random(x.shape) >= p  # a NumPy Generator: drawn on the host (nn/layers.py)
     mask = keep.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - p))
-    return Dropout.apply(x, Tensor(mask))  # Tensor(): to the active backend's memory
+    return DropoutFunction.apply(x, Tensor(mask))  # Tensor(): to the active backend's memory

@@ -193,22 +193,24 @@ class CausalSelfAttention(Module):
 
 
 class Block(Module):
-    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+
+    mlp is the dense MLP [C, 4C, C], or what make_mlp(rng, last_std) returns: the GPT passes a
+    builder of its mixture of experts (nn/experts.py, nn/models.py). Either is built from `rng`
+    after attention's weights, with last_std the init of its residual projection.
+    """
 
     def __init__(self, d_model: int, n_head: int, seq_len: int, rng: np.random.Generator,
-                 dropout: float = 0.0, n_layer: int = 1, dtype="float64", seed: int = 0, experts=None) -> None:
+                 dropout: float = 0.0, n_layer: int = 1, dtype="float64", seed: int = 0, make_mlp=None) -> None:
         super().__init__()
         proj_std = 0.02 / math.sqrt(2 * n_layer)  # GPT-2's scaled init of residual projections
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_head, seq_len, rng, dropout, proj_std, dtype, seed)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
-        if experts is None:
+        if make_mlp is None:
             self.mlp = MLP([d_model, 4 * d_model, d_model], rng, "gelu", std=0.02, last_std=proj_std, dtype=dtype)
-        else:  # a mixture of experts in place of the MLP (experts: a GPTConfig with n_experts > 0)
-            from .experts import MoE  # noqa: PLC0415 - experts.py imports this module
-
-            self.mlp = MoE(d_model, experts.n_experts, experts.top_k, rng, capacity_factor=experts.capacity_factor,
-                           aux_coef=experts.aux_coef, last_std=proj_std, dtype=dtype)
+        else:
+            self.mlp = make_mlp(rng, last_std=proj_std)
         self.dropout = Dropout(dropout, seed + 2)
 
     def forward(self, x: Tensor) -> Tensor:

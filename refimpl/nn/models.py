@@ -21,6 +21,7 @@ from refimpl import backend
 from refimpl.autograd.tensor import Tensor
 
 from . import functional as F
+from .experts import MoE
 from .layers import MLP, Block, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
 
@@ -65,7 +66,7 @@ class GPT(Module):
         self.drop = Dropout(c.dropout, seed=seed * 1000 + 1)
         self.blocks = ModuleList(
             Block(c.d_model, c.n_head, c.seq_len, rng, c.dropout, c.n_layer, dt, seed=seed * 1000 + 10 * (i + 1),
-                  experts=c if c.has_experts(i) else None)
+                  make_mlp=self._mixture_of_experts if c.has_experts(i) else None)
             for i in range(c.n_layer))
         self.ln_f = LayerNorm(c.d_model, dtype=dt)
         if not c.tie_weights:
@@ -76,6 +77,12 @@ class GPT(Module):
         # (index, count): this process embeds shard `index` of `count` of every sequence
         # (sequence parallelism sets it; refimpl/parallel/tensor_parallel/gpt.py)
         self.sequence_shard = (0, 1)
+
+    def _mixture_of_experts(self, rng: np.random.Generator, last_std: float) -> MoE:
+        """A block's mixture of experts in place of its dense MLP (Block's make_mlp)."""
+        c = self.config
+        return MoE(c.d_model, c.n_experts, c.top_k, rng, capacity_factor=c.capacity_factor, aux_coef=c.aux_coef,
+                   last_std=last_std, dtype=c.dtype)
 
     def embed(self, idx) -> Tensor:
         idx = idx.data if isinstance(idx, Tensor) else backend.asarray(idx)

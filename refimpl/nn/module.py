@@ -49,17 +49,14 @@ class Module:
         object.__setattr__(self, name, value)
 
     # --- tree walking -------------------------------------------------------------------------
-    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
         yield prefix, self
         for name, child in self._modules.items():
             yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
 
-    def modules(self) -> Iterator["Module"]:
+    def modules(self) -> Iterator[Module]:
         for _, m in self.named_modules():
             yield m
-
-    def children(self) -> Iterator["Module"]:
-        yield from self._modules.values()
 
     def named_parameters(self) -> Iterator[tuple[str, Parameter]]:
         seen = set()
@@ -93,12 +90,12 @@ class Module:
                                  f"but {p.shape} in the model")
             p.data[...] = backend.asarray(value, dtype=p.dtype)
 
-    def train(self, mode: bool = True) -> "Module":
+    def train(self, mode: bool = True) -> Module:
         for m in self.modules():
             object.__setattr__(m, "training", mode)
         return self
 
-    def eval(self) -> "Module":
+    def eval(self) -> Module:
         return self.train(False)
 
     def zero_grad(self) -> None:

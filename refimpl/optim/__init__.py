@@ -7,4 +7,5 @@ from .sgd import SGD
 
 OPTIMIZERS = {"adamw": AdamW, "sgd": SGD}
 
-__all__ = ["ArrayOptimizer", "StepResult", "AdamW", "SGD", "OPTIMIZERS", "clip_grad_norm_", "clip_coefficient", "scale_to_max_norm_", "squared_norm"]
+__all__ = ["ArrayOptimizer", "StepResult", "AdamW", "SGD", "OPTIMIZERS", "clip_grad_norm_", "clip_coefficient",
+           "scale_to_max_norm_", "squared_norm"]

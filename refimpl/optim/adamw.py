@@ -59,9 +59,10 @@ class AdamW(ArrayOptimizer):
 
             |Δθ| ≤ lr · min(2·Cₜ, (a + Cₜ·√b) · δ / D),
 
-        where Cₜ = (a/√b)·√(Σ_{j<t} (β₁²/β₂)ʲ) (infinite for β₂ = 0 after the first step) bounds |m̂|/√v̂ (Cauchy–Schwarz over the history): one
-        step moves θ by at most lr·Cₜ whatever g is. A gradient within δ of zero may change sign
-        (at t = 1, where v̂₀ = 0, θ may then differ by up to 2·lr); a larger one moves θ by ≈ 2·lr·δ/|g|.
+        where Cₜ = (a/√b)·√(Σ_{j<t} (β₁²/β₂)ʲ) (infinite for β₂ = 0 after the first step) bounds
+        |m̂|/√v̂ (Cauchy–Schwarz over the history): one step moves θ by at most lr·Cₜ whatever g is.
+        A gradient within δ of zero may change sign (at t = 1, where v̂₀ = 0, θ may then differ by up
+        to 2·lr); a larger one moves θ by ≈ 2·lr·δ/|g|.
         """
         xp = backend.xp()
         b1, b2 = self.betas

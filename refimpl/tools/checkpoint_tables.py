@@ -23,14 +23,13 @@ import numpy as np
 from refimpl.autograd.grad_mode import no_grad
 from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
-from refimpl.nn import GPT, GPTConfig
-from refimpl.nn import functional as F
-
 from refimpl.checkpointing import revolve
-from refimpl.checkpointing.gpt import gpt_forward
+from refimpl.checkpointing.gpt_blocks import gpt_forward
 from refimpl.checkpointing.measure import count_forward_calls, measure_chain, tanh_chain
 from refimpl.checkpointing.plans import predicted_cost, sqrt_segment
 from refimpl.checkpointing.sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
+from refimpl.nn import GPT, GPTConfig
+from refimpl.nn import functional as F
 
 CHAIN_LENGTHS = (16, 64, 100, 256)
 GPT_CONFIG = dict(vocab_size=64, seq_len=32, n_layer=16, n_head=4, d_model=64, dropout=0.1, dtype="float32")

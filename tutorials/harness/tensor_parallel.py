@@ -35,9 +35,13 @@ from refimpl.autograd import Function, Parameter, Tensor, grad_mode
 from refimpl.nn import functional as F
 from refimpl.parallel import ring
 from refimpl.parallel.comm import OPS, Comm, Counters
-from refimpl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Split
-from refimpl.parallel.tensor_parallel.operators import (CopyToTensorParallel, GatherSequence, ReduceFromTensorParallel,
-                                                        ReduceScatterSequence)
+from refimpl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, WeightSplit
+from refimpl.parallel.tensor_parallel.operators import (
+    CopyToTensorParallel,
+    GatherSequence,
+    ReduceFromTensorParallel,
+    ReduceScatterSequence,
+)
 
 from . import Wrong, expect_close, shown
 
@@ -230,13 +234,13 @@ def run_ranks(size: int, program, *args, comm_class=None) -> list:
 
 def reference_mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r: int, t: int) -> tuple:
     """refimpl's cut of an MLP (exercise 2's answer): fc by output features, proj by input features."""
-    return (Split(0).shard(fc_weight, r, t), Split(0).shard(fc_bias, r, t), Split(1).shard(proj_weight, r, t),
-            np.array(proj_bias, copy=True))
+    return (WeightSplit(0).shard(fc_weight, r, t), WeightSplit(0).shard(fc_bias, r, t),
+            WeightSplit(1).shard(proj_weight, r, t), np.array(proj_bias, copy=True))
 
 
 def reference_qkv_slices(qkv_weight, qkv_bias, n_head: int, r: int, t: int) -> tuple:
     """refimpl's cut of the fused qkv projection (exercise 3's answer): rank r's heads of q, of k and of v."""
-    return Split(0, parts=3).shard(qkv_weight, r, t), Split(0, parts=3).shard(qkv_bias, r, t)
+    return WeightSplit(0, parts=3).shard(qkv_weight, r, t), WeightSplit(0, parts=3).shard(qkv_bias, r, t)
 
 
 def mlp_case(c: int, seed: int) -> dict:

@@ -25,8 +25,8 @@ Construction: the caller builds the whole single-process GPT from the seed (as e
 pipeline/stage.py) and `shard_gpt` keeps this rank's slice of every split weight, so the model
 equals the single-process one by construction; the padded vocabulary rows are zero, never looked
 up, masked out of the loss, and so never move. Parameters keep their single-process names.
-`Split` records how each weight was cut; `TensorParallelGPT.whole` puts the pieces back together
-(verify, checkpoints' consolidation, evaluation).
+`WeightSplit` records how each weight was cut; `TensorParallelGPT.whole` puts the pieces back
+together (verify, checkpoints' consolidation, evaluation).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 
 from refimpl import backend
 from refimpl.autograd.tensor import Parameter
+from refimpl.checkpointing.plans import chain_plan
 from refimpl.nn.models import GPT
 
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -44,7 +45,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 
 
 @dataclass(frozen=True)
-class Split:
+class WeightSplit:
     """A whole parameter cut along `axis` into t equal slices; `parts` > 1: the axis holds that many
     blocks (q, k, v) and each rank takes its slice of every block; `length`: the axis' real length
     when it was padded to a multiple of t (the vocabulary), else None."""
@@ -86,7 +87,7 @@ class TensorParallelGPT:
         self.vocab_size = model.config.vocab_size
         self.padded_vocab = padded(self.vocab_size, self.size)
         self.vocab_start = self.rank * self.padded_vocab // self.size
-        self.splits: dict[str, Split] = {}  # parameter name -> how it is cut; the rest is whole
+        self.splits: dict[str, WeightSplit] = {}  # parameter name -> how it is cut; the rest is whole
         self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # whole, before any cut
 
     def cross_entropy(self, logits, targets, ignore_index: int = -100, reduction: str = "mean"):
@@ -124,8 +125,6 @@ def check_options(tp: int, sequence_parallel: bool = False, partition_activation
         raise ValueError("--sequence-parallel cuts the sequence over the tensor-parallel group; it needs --tp 2 "
                          "or more")
     if partition_activations:
-        from refimpl.checkpointing import chain_plan  # noqa: PLC0415 - only for Pa
-
         if tp == 1:
             raise ValueError("--partition-activations divides activation checkpoints over the tensor-parallel "
                              "group; it needs --tp 2 or more")
@@ -155,7 +154,7 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     check_options(t, sequence_parallel, n_head=c.n_head, seq_len=c.seq_len)
     tp = TensorParallelGPT(model, comm, sequence_parallel)
 
-    def cut(name: str, param: Parameter, split: Split) -> Parameter:
+    def cut(name: str, param: Parameter, split: WeightSplit) -> Parameter:
         tp.splits[name] = split
         return Parameter(backend.asarray(split.shard(backend.to_host(param.data), r, t), dtype=param.dtype))
 
@@ -163,7 +162,7 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
         if sequence_parallel:  # each rank saw only its sequence shard: sum the group's gradients
             param.register_hook(_summed_over(comm))
 
-    vocab = Split(0, length=c.vocab_size)
+    vocab = WeightSplit(0, length=c.vocab_size)
     wte = cut("wte.weight", model.wte.weight, vocab)
     model.wte = VocabParallelEmbedding(wte, tp.vocab_start, comm, sequence_parallel)
     whole_in_sequence_shards(model.wpe.weight)
@@ -173,18 +172,18 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(cut(f"{prefix}.attn.qkv.weight", attn.qkv.weight, Split(0, parts=3)),
-                                        cut(f"{prefix}.attn.qkv.bias", attn.qkv.bias, Split(0, parts=3)),
+        attn.qkv = ColumnParallelLinear(cut(f"{prefix}.attn.qkv.weight", attn.qkv.weight, WeightSplit(0, parts=3)),
+                                        cut(f"{prefix}.attn.qkv.bias", attn.qkv.bias, WeightSplit(0, parts=3)),
                                         comm, sequence_parallel)
-        attn.proj = RowParallelLinear(cut(f"{prefix}.attn.proj.weight", attn.proj.weight, Split(1)), attn.proj.bias,
-                                      comm, sequence_parallel)
+        attn.proj = RowParallelLinear(cut(f"{prefix}.attn.proj.weight", attn.proj.weight, WeightSplit(1)),
+                                      attn.proj.bias, comm, sequence_parallel)
         attn.n_head = c.n_head // t
         attn.attn_dropout.shard = (1, r, t)  # (B, H/t, T, T): this rank's heads of the whole mask
         fc, proj = mlp.layers
-        setattr(mlp.layers, "0", ColumnParallelLinear(cut(f"{prefix}.mlp.layers.0.weight", fc.weight, Split(0)),
-                                                      cut(f"{prefix}.mlp.layers.0.bias", fc.bias, Split(0)),
+        setattr(mlp.layers, "0", ColumnParallelLinear(cut(f"{prefix}.mlp.layers.0.weight", fc.weight, WeightSplit(0)),
+                                                      cut(f"{prefix}.mlp.layers.0.bias", fc.bias, WeightSplit(0)),
                                                       comm, sequence_parallel))
-        setattr(mlp.layers, "1", RowParallelLinear(cut(f"{prefix}.mlp.layers.1.weight", proj.weight, Split(1)),
+        setattr(mlp.layers, "1", RowParallelLinear(cut(f"{prefix}.mlp.layers.1.weight", proj.weight, WeightSplit(1)),
                                                    proj.bias, comm, sequence_parallel))
         for param in (block.ln1.weight, block.ln1.bias, block.ln2.weight, block.ln2.bias, attn.proj.bias, proj.bias):
             whole_in_sequence_shards(param)
@@ -211,4 +210,4 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-__all__ = ["Split", "TensorParallelGPT", "shard_gpt", "padded", "check_options"]
+__all__ = ["WeightSplit", "TensorParallelGPT", "shard_gpt", "padded", "check_options"]

@@ -16,7 +16,7 @@ A column-parallel linear followed by a row-parallel one (the MLP; attention's qk
 projection) needs no communication between them: the activation in the middle stays split.
 
 Which parameters are whole on every rank (layer norms, the row-parallel bias, the position
-embedding) and how the split ones are cut is recorded by tensor_parallel/gpt.py (`Split`).
+embedding) and how the split ones are cut is recorded by tensor_parallel/gpt.py (`WeightSplit`).
 Legend: B batch, T sequence (T/t a sequence shard), C width, V' padded vocabulary.
 """
 
@@ -28,8 +28,7 @@ from refimpl.autograd.tensor import Parameter, Tensor
 from refimpl.nn import functional as F
 from refimpl.nn.module import Module
 
-from .operators import (copy_to_tensor_parallel, gather_then_linear, reduce_from_tensor_parallel,
-                        reduce_scatter_sequence)
+from .operators import copy_to_tensor_parallel, gather_then_linear, reduce_from_tensor_parallel, reduce_scatter_sequence
 
 
 class ColumnParallelLinear(Module):
