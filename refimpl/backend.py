@@ -33,6 +33,7 @@ the device with `asarray` where it is used. See docs/gpu.md.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import numpy as np
@@ -172,19 +173,30 @@ def check_dtype(dtype) -> np.dtype:
 # ------------------------------------------------------------------------------------------------
 
 
+def erf(x):
+    """The error function, elementwise (an exact GELU's CDF). NumPy has none: on the host, math.erf
+    per element (exact, and slow: the tanh GELU is the fast one); on a GPU, CuPy's."""
+    if name() == "cupy":
+        from cupyx.scipy.special import erf as cupy_erf  # noqa: PLC0415 - an optional dependency: CuPy
+
+        return cupy_erf(x)
+    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64).astype(x.dtype, copy=False)
+
+
 def scatter_add(target, index, values) -> None:
     """target[index] += values, where repeated indices add up (an embedding's backward).
 
     `target[index] += values` would add only one of the repeats. NumPy spells the scatter-add
     numpy.add.at; CuPy spells it cupy.add.at where its ufuncs have .at (recent versions: CuPy 14
-    has it, and deprecates the older spelling), and cupyx.scatter_add before. On a GPU the repeats are added with atomic operations, in no fixed
-    order: the sum agrees with NumPy's to rounding, not bit for bit.
+    has it, and deprecates the older spelling), and cupyx.scatter_add before. On a GPU the repeats
+    are added with atomic operations, in no fixed order: the sum agrees with NumPy's to rounding,
+    not bit for bit.
     """
     module = xp()
     if hasattr(module.add, "at"):
         module.add.at(target, index, values)
     else:  # an older CuPy
-        import cupyx  # noqa: PLC0415
+        import cupyx  # noqa: PLC0415 - an optional dependency: CuPy
 
         cupyx.scatter_add(target, index, values)
 

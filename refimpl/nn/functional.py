@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from refimpl import backend
 from refimpl.autograd.function import Function
@@ -124,19 +123,6 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
 
 
-def erf(x):
-    """The error function, elementwise (NumPy has none; math.erf per element is exact)."""
-    if backend.name() == "cupy":
-        from cupyx.scipy.special import erf as cupy_erf  # noqa: PLC0415 - an optional dependency: CuPy
-
-        return cupy_erf(x)
-    return _np_erf(x).astype(x.dtype, copy=False)
-
-
-def _np_erf(x):
-    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
-
-
 def _tanh_inner(x):
     """tanh(√(2/π)·x·(1 + 0.044715x²)) in a single new array."""
     t = x * x
@@ -157,7 +143,7 @@ class GeluFunction(Function):
             y *= x
             y *= 0.5
             return y
-        return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+        return 0.5 * x * (1.0 + backend.erf(x * (1.0 / math.sqrt(2.0))))
 
     def backward(self, g, needs):
         (x,) = self.saved
@@ -176,7 +162,7 @@ class GeluFunction(Function):
             t *= 0.5
             slope += t
         else:
-            cdf = 0.5 * (1.0 + erf(x * (1.0 / math.sqrt(2.0))))
+            cdf = 0.5 * (1.0 + backend.erf(x * (1.0 / math.sqrt(2.0))))
             pdf = xp().exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
             slope = cdf + x * pdf
         slope *= g
