@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 
-
 from refimpl import backend
 from refimpl.autograd.function import Function
 from refimpl.autograd.tensor import Tensor
