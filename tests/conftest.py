@@ -14,11 +14,12 @@ profile's max_examples: 1 launch per world size under "refimpl", 10 under "deep"
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import settings
 from hypothesis import seed as use_seed
+from hypothesis import settings
 
 # derandomize=False is stated, not inherited: where the environment says CI (CI=true, GITHUB_ACTIONS),
 # hypothesis' own default profile derandomizes, and a profile registered without it would too.
@@ -48,11 +49,19 @@ def pytest_terminal_summary(terminalreporter):
         by_world = {}
         for world, count in VERIFIED:
             by_world[world] = by_world.get(world, 0) + count
-        terminalreporter.write_line(f"verify: {sum(by_world.values())} drawn and pinned configurations equal single-process "
-                                    f"training (" + ", ".join(f"{n} at {w} rank(s)" for w, n in sorted(by_world.items())) + ")")
+        worlds = ", ".join(f"{n} at {w} rank(s)" for w, n in sorted(by_world.items()))
+        terminalreporter.write_line(f"verify: {sum(by_world.values())} drawn and pinned configurations equal "
+                                    f"single-process training ({worlds})")
+
+
+SLOW = {line for line in (Path(__file__).with_name("slow_tests.txt")).read_text().splitlines()
+        if line and not line.startswith("#")}  # the slow tier, measured (slow_tests.py)
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)
     scale = settings.default.max_examples // 25  # 1, or 10 under "deep"
     for test in {id(item.obj): item.obj for item in items if getattr(getattr(item, "obj", None),
                                                                      "is_hypothesis_test", False)}.values():

@@ -176,8 +176,8 @@ TYPES = {"ndarray", "dtype", "integer", "float64", "int64", "uint8", "random.Gen
 # Where refimpl calls NumPy itself, and why the host is meant there. Anything else is a CuPy bug
 # waiting to happen: ask backend.xp(), or add the use here with its reason.
 HOST_BY_DESIGN = {
-    "backend.py": ({"array", "asarray"}, "the backend itself"),
-    "cluster/calibrate.py": ({"add", "asarray", "float32", "full", "isfinite", "linalg.lstsq", "mean", "median", "ones",
+    "backend.py": ({"array", "asarray", "frompyfunc"}, "the backend itself (erf on the host: math.erf per element)"),
+    "tools/cluster/calibrate.py": ({"add", "asarray", "float32", "full", "isfinite", "linalg.lstsq", "mean", "median", "ones",
                               "random.default_rng", "stack", "sum", "unique", "zeros"},
                              "calibration measures this host's NumPy engine (its rates are the NumPy backend's), and "
                              "fits its timings on the host"),
@@ -189,9 +189,8 @@ HOST_BY_DESIGN = {
     "nn/layers.py": ({"ones", "zeros", "triu", "random.default_rng"},
                      "initial values, the causal mask and dropout masks are made on the host, then moved"),
     "nn/models.py": ({"random.default_rng"}, "weights are drawn on the host: the same model on every backend"),
-    "nn/functional.py": ({"frompyfunc"}, "erf on the NumPy backend (the CuPy branch uses cupyx)"),
     "nn/module.py": ({"asarray"}, "load_state_dict reads host arrays"),
-    "commands/tensor_parallel.py": ({"random.default_rng"}, "the measured block's input is drawn on the host, then "
+    "tools/commands/tensor_parallel.py": ({"random.default_rng"}, "the measured block's input is drawn on the host, then "
                                                             "moved with backend.asarray"),
     "nn/experts.py": ({"add.at", "arange", "argsort", "bincount", "cumsum", "full", "ones", "repeat",
                        "take_along_axis", "zeros"},
@@ -205,23 +204,23 @@ HOST_BY_DESIGN = {
                                         "the host (WeightSplit.shard / WeightSplit.whole: construction and "
                                         "verification)"),
     "objective.py": ({"asarray"}, "counts the targets of a host batch"),
-    "verify.py": ({"inf"}, "an injected overflow"),
-    "compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"}, "tolerances from host copies of the gradients"),
-    "compare.py": ({"abs", "asarray", "divide", "inf", "isfinite", "isinf", "isnan", "max", "maximum", "where"},
+    "tools/verification.py": ({"inf"}, "an injected overflow"),
+    "tools/compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"}, "tolerances from host copies of the gradients"),
+    "tools/compare.py": ({"abs", "asarray", "divide", "inf", "isfinite", "isinf", "isnan", "max", "maximum", "where"},
                    "compares host copies"),
-    "commands/verify.py": ({"random.SeedSequence", "random.default_rng"}, "a sweep draws configurations on the host"),
+    "tools/commands/verify.py": ({"random.SeedSequence", "random.default_rng"}, "a sweep draws configurations on the host"),
     "autograd/gradcheck.py": ({"abs", "allclose", "argmax", "random.default_rng", "unravel_index", "zeros"},
                               "finite differences collected on the host"),
     "parallel/comm.py": ({"add", "maximum", "minimum", "array", "cumsum", "empty", "frombuffer", "zeros"},
                          "reduction names (run by the buffer's own module), pickled objects and MPI counts"),
     "parallel/ring.py": ({"cumsum", "full", "zeros"}, "block counts and offsets are host integers"),
-    "parallel/watchdog.py": ({"empty", "frombuffer", "uint8"}, "the watchdog's status messages are host bytes"),
+    "tools/runtime/watchdog.py": ({"empty", "frombuffer", "uint8"}, "the watchdog's status messages are host bytes"),
     "parallel/zero/flat.py": ({"concatenate", "cumsum", "prod"}, "layout arithmetic on shapes"),
-    "saved_runs/sharded.py": ({"array", "load", "prod", "savez", "zeros"}, "checkpoint files hold host copies"),
-    "parallel/pipeline/timeline.py": ({"array", "zeros"}, "timing figures live on the host"),
+    "tools/saved_runs/sharded.py": ({"array", "load", "prod", "savez", "zeros"}, "checkpoint files hold host copies"),
+    "tools/timeline.py": ({"array", "zeros"}, "timing figures live on the host"),
     "checkpointing/measure.py": ({"ones_like", "random.default_rng", "sqrt"},
                                  "measurements for the docs; np.ones_like(a) returns a's own kind (NEP 18)"),
-    "checkpointing/report.py": ({"ones_like", "random.default_rng"}, "as measure.py"),
+    "tools/checkpoint_tables.py": ({"ones_like", "random.default_rng"}, "as measure.py"),
 }
 
 
