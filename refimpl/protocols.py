@@ -1,4 +1,7 @@
-"""What every trainer provides: the interface that train, verify, checkpoints and the memory ledger use.
+"""The interfaces of the core: what every trainer provides, and what a gradient strategy provides.
+
+A trainer is what train, verify, checkpoints and the memory ledger use; a gradient strategy is one
+layer of the distributed trainer (parallel/trainer.py): data parallelism or a ZeRO stage.
 
 Two classes implement all of it: local_trainer.LocalTrainer (one process, the reference every distributed
 run is compared with; it imports nothing from refimpl.parallel) and parallel.trainer.Trainer
@@ -48,6 +51,58 @@ class Checkpointable(Verifiable, Protocol):
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
         """Take master weights and optimizer state, whole and by name, as a checkpoint holds them."""
+
+
+@runtime_checkable
+class GradientStrategy(Protocol):
+    """How the data-parallel group shares gradients, optimizer state and parameters: DDP
+    (parallel/data_parallel.py) or a ZeRO stage (parallel/zero/). The trainer calls, in this order:
+
+        around(action, last)      a context around every F, B, I or W of the micro-batch loop; it
+                                  installs the hooks that gather parameters (ZeRO-3) and start a
+                                  group's reduction when its last gradient is in; `last`: this B or W
+                                  is its stage's last of the step
+        finish()                  after the loop: the reduced gradient blocks (whole or this rank's shard)
+        squared_norm(blocks)      their contribution to the global norm (for clipping)
+        optimizer_step(blocks, total)   update (total: the global squared norm, or None)
+        end_step(result)          publish the updated parameters (ZeRO-1/2's all-gather)
+
+    and, for records and checkpoints: whole(blocks) and whole_parameters() (by name, collective),
+    whole_optimizer_state(), steps_taken, report(), checkpoint_pieces(stages, writes_whole),
+    load_full_state(masters, states, step), and its ledger.
+    """
+
+    ledger: Any  # the MemoryLedger of the state it holds (memory.py)
+
+    def around(self, action, last: bool):
+        """A context manager around one action of the micro-batch loop."""
+
+    def finish(self) -> list:
+        """The gradient blocks, reduced over the data-parallel group, once the loop is done."""
+
+    def squared_norm(self, blocks: list) -> float:
+        """This rank's share of the squared global gradient norm."""
+
+    def optimizer_step(self, blocks: list, total: float | None = None):
+        """Update this rank's parameters (or shard of them); returns a StepResult."""
+
+    def end_step(self, result) -> None:
+        """Make every rank's parameters current (an all-gather where they are sharded)."""
+
+    def whole(self, blocks: list) -> dict:
+        """{name: whole array} of gradient blocks (collective)."""
+
+    def whole_parameters(self) -> dict:
+        """{name: whole array} of the parameters (collective)."""
+
+    def report(self) -> dict:
+        """Plain facts for --json."""
+
+    def checkpoint_pieces(self, stages, writes_whole: bool) -> list:
+        """[(name, start, stop, arrays)]: this rank's share of a checkpoint of `stages`."""
+
+    def load_full_state(self, masters: dict, states: dict, step: int) -> None:
+        """Take master weights and optimizer state, whole and by name."""
 
 
 def missing(trainer, protocol) -> list[str]:
