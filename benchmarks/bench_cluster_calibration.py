@@ -36,10 +36,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from refimpl.data import SortTask  # noqa: E402
 from refimpl.tools.cluster import hardware  # noqa: E402
 from refimpl.tools.cluster.calibrate import cpu_name  # noqa: E402
 from refimpl.tools.cluster.model import Run, predict  # noqa: E402
-from refimpl.data import SortTask  # noqa: E402
 from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 # The GPT of every configuration: width 256, 4 blocks, sequences of 64 tokens (32 digits to sort).
@@ -168,7 +168,8 @@ def note_keys(cfg: Config) -> list[str]:
 
 
 def machine() -> str:
-    return f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    return (f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def page(rows, clusters, command, started, loads) -> str:
@@ -200,7 +201,8 @@ def page(rows, clusters, command, started, loads) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (n, tokens), c in sorted(clusters.items()):
-        lines.append(f"| {n}, {tokens} | {c.peak_flops_fp32 / 1e9:.1f} GFLOP/s | {c.flops('float64') / 1e9:.1f} GFLOP/s | "
+        lines.append(f"| {n}, {tokens} | {c.peak_flops_fp32 / 1e9:.1f} GFLOP/s | "
+                     f"{c.flops('float64') / 1e9:.1f} GFLOP/s | "
                      f"{c.efficiency.get('attention', 1.0):.2f} | {c.memory_bandwidth / 1e9:.1f} GB/s | "
                      f"{c.efficiency.get('memory', 1.0):.3f} | "
                      f"{c.op_overhead * 1e6:.1f} µs | {c.intra_latency * 1e6:.1f} µs | "

@@ -23,10 +23,10 @@ import json
 import statistics
 import time
 
-from refimpl.tools.console import log
+from refimpl.local_trainer import LocalTrainer
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.trainer import Trainer
-from refimpl.local_trainer import LocalTrainer
+from refimpl.tools.console import log
 from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 
@@ -69,8 +69,8 @@ def main() -> None:
     t_bucketed = median_step_time(bucketed, task, args.batch_size, args.repeats, world)
     exposed = t_naive - t_local
     result = {"world_size": world.size, "n_params": build_model(cfg, task).num_parameters(),
-              "buckets": sum(len(b.groups) for b in bucketed.sharding.buckets.values()), "t_local_s": t_local, "t_naive_s": t_naive,
-              "t_bucketed_s": t_bucketed, "exposed_comm_s": exposed,
+              "buckets": sum(len(b.groups) for b in bucketed.sharding.buckets.values()),
+              "t_local_s": t_local, "t_naive_s": t_naive, "t_bucketed_s": t_bucketed, "exposed_comm_s": exposed,
               "hidden_fraction": (t_naive - t_bucketed) / exposed if exposed > 0 else None}
     if world.rank == 0:
         hidden = result["hidden_fraction"]

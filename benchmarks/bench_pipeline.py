@@ -29,11 +29,12 @@ import sys
 import time
 from fractions import Fraction
 
-from refimpl.tools.console import log
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline import Costs, build
 from refimpl.parallel.trainer import Trainer
+from refimpl.tools.console import log
 from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.timeline import install
 
 
 def run_schedule(name: str, world, args, costs: Costs) -> dict:
@@ -43,7 +44,8 @@ def run_schedule(name: str, world, args, costs: Costs) -> dict:
     stages = build(name, args.pp, args.micro_batches).num_stages
     scaled = costs.scaled(Fraction(args.pp, stages))
     trainer = Trainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), world, pp=args.pp, schedule=name,
-                      micro_batches=args.micro_batches, action_costs=scaled)
+                      micro_batches=args.micro_batches)
+    timeline = install(trainer, scaled)
     rows = []
     for step in range(args.steps + 1):
         x, y = task.batch(step, args.batch_size)
@@ -51,7 +53,7 @@ def run_schedule(name: str, world, args, costs: Costs) -> dict:
         start = time.perf_counter()
         trainer.step(x, y)
         elapsed = world.allreduce_value(time.perf_counter() - start, op="max")
-        timing = trainer.timing()
+        timing = timeline.report()
         if step > 0:  # the first step warms up allocations and MPI connections
             rows.append((elapsed, timing))
     median = lambda values: statistics.median(values)  # noqa: E731

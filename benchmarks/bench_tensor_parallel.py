@@ -191,9 +191,9 @@ def worker(args) -> None:
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
     from refimpl.nn import GPT, GPTConfig  # noqa: PLC0415
-    from refimpl.tools.runtime import watchdog  # noqa: PLC0415
     from refimpl.parallel.comm import get_world  # noqa: PLC0415
     from refimpl.tools.run import TrainConfig, make_trainer  # noqa: PLC0415
+    from refimpl.tools.runtime import watchdog  # noqa: PLC0415
 
     with threadpool_limits(limits=1):
         world = get_world("mpi")

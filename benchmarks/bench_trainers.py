@@ -6,10 +6,10 @@ Launch:  python benchmarks/bench_trainers.py --baseline REV [--this REV] [--only
 Trains bench_engine.py's model size (d_model 256, 4 layers, 4 heads, context 128, batch 8,
 float32; the sorting task, so the vocabulary is 11, not 64) for --steps steps with each
 configuration below, under `mpiexec -n RANKS`, once with this tree's refimpl (or revision --this)
-and once with revision REV's (each revision checked out into a temporary git worktree), alternating the two --repeats times so
-that a slow spell of the machine hits both. Reported: the median of train --json's "seconds" (the
-training steps only, no startup) per configuration and tree, and the ratio this / baseline. The
-one-trainer refactor of issue 15 promised no configuration slower than 5%.
+and once with revision REV's (each revision checked out into a temporary git worktree), alternating
+the two --repeats times so that a slow spell of the machine hits both. Reported: the median of
+train --json's "seconds" (the training steps only, no startup) per configuration and tree, and the
+ratio this / baseline. The one-trainer refactor of issue 15 promised no configuration slower than 5%.
 
     ddp       data parallelism, bucketed                zero1..3  --zero 1, 2, 3
     pp2       --pp 2 --schedule 1f1b --micro-batches 4  (with RANKS = 2: one pipeline, dp 1)

@@ -37,8 +37,8 @@ def one_run() -> None:
     variant, flags = sys.argv[2], sys.argv[3:]
     from refimpl.tools import cli
     from refimpl.tools import run as train
-    from refimpl.tools.runtime import agreement
     from refimpl.tools.commands import train as train_command  # noqa: PLC0415
+    from refimpl.tools.runtime import agreement
 
     if variant == "without":
         flags = flags + ["--timeout", "0"]

@@ -43,9 +43,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -63,7 +64,7 @@ class Check:
     timeout: float | None = None  # seconds before it counts as a hang (default: --timeout)
 
     @classmethod
-    def of(cls, name: str, value) -> "Check":
+    def of(cls, name: str, value) -> Check:
         """A [checks] entry: a command line, or {cmd = "...", timeout = seconds}."""
         if isinstance(value, str):
             return cls(name, value)
@@ -95,7 +96,7 @@ class Outcome:
 # ------------------------------------------------------------------------------------------------
 
 
-def load_catalogue(path: Path = MANIFEST) -> tuple[dict[str, "Check"], list[Mutant]]:
+def load_catalogue(path: Path = MANIFEST) -> tuple[dict[str, Check], list[Mutant]]:
     """({check name: Check}, [Mutant]) from catalogue.toml; every name and patch must exist."""
     data = tomllib.loads(path.read_text())
     checks = {name: Check.of(name, value) for name, value in data["checks"].items()}

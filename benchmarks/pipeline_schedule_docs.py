@@ -57,7 +57,8 @@ def run_command(command: str) -> str:
         finally:
             sys.argv = saved
     else:
-        raise ValueError(f"cannot run {command!r}: only 'python -m refimpl schedule' and benchmarks/pipeline_schedule_*.py")
+        raise ValueError(f"cannot run {command!r}: "
+                         "only 'python -m refimpl schedule' and benchmarks/pipeline_schedule_*.py")
     return out.getvalue()
 
 

@@ -1,4 +1,5 @@
-"""Runs refused before anything is allocated (refimpl/tools/runtime/preflight.py): the estimate, and what a refusal says.
+"""Runs refused before anything is allocated (refimpl/tools/runtime/preflight.py): the estimate,
+and what a refusal says.
 
 Launch: python benchmarks/preflight_demo.py [--limit 64GB]
 (it starts `python -m refimpl train ...` and `mpiexec -n 2 python -m refimpl train ...` itself,
@@ -20,11 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from refimpl.tools.runtime import preflight  # noqa: E402
 from refimpl.memory import parse_bytes  # noqa: E402
-from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
-from refimpl.tools.flags import add_run_arguments as add_arguments, config_from_args  # noqa: E402
+from refimpl.tools.flags import add_run_arguments as add_arguments  # noqa: E402
+from refimpl.tools.flags import config_from_args  # noqa: E402
 from refimpl.tools.run import TrainConfig, build_task  # noqa: E402
+from refimpl.tools.runtime import preflight  # noqa: E402
+from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: E402
 
 HUGE = (["--n-layer", "1000000"], ["--seq-len", "10000000"], ["--batch-size", str(10**12)])
 TWO_RANKS = ["--steps", "2", "--batch-size", "8", "--zero", "1"]
@@ -52,7 +54,7 @@ def refusal(argv: list[str], limit: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first sentence
     p.add_argument("--limit", default="64GB", help="REFIMPL_MEMORY_LIMIT for the single-process runs")
     args = p.parse_args()
     parse_bytes(args.limit)

@@ -11,8 +11,8 @@ import types
 
 import numpy as np
 import pytest
-
 from mpi_util import run_mpi, run_mpi_json
+
 from refimpl.parallel import staging
 from refimpl.parallel.staging import HostCopies, StagedRequest, StagingRule, cuda_aware_mpi
 
@@ -29,7 +29,7 @@ class DeviceArray:
     def get(self) -> np.ndarray:  # device -> host
         return self.values.copy()
 
-    def __getitem__(self, key) -> "DeviceArray":  # a view
+    def __getitem__(self, key) -> DeviceArray:  # a view
         return DeviceArray(self.values[key])
 
     def __setitem__(self, key, value) -> None:  # host -> device

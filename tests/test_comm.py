@@ -19,8 +19,8 @@ from mpi_util import clean_env, find_mpiexec, run_local, run_local_json
 
 from refimpl.parallel import comm as commlib
 from refimpl.parallel import ring
-from refimpl.tools.runtime import failure, launcher, threads
 from refimpl.parallel.mesh import Mesh
+from refimpl.tools.runtime import failure, launcher, threads
 
 # -- block layout and the byte formulas ---------------------------------------------------------------
 

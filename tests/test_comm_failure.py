@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from mpi_util import PROGRAMS, run_mpi
 
 FAIL = PROGRAMS / "fail.py"

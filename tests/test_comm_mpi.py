@@ -15,7 +15,6 @@ import tempfile
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from mpi_util import PROGRAMS, run_local_json, run_mpi_json
 
 COLLECTIVES = PROGRAMS / "collectives.py"

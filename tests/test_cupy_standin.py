@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from mpi_util import PROGRAMS, REPO, check_ok, clean_env, last_json, run_local, run_mpi_json
 
 STANDIN = Path(__file__).resolve().parent / "cupy_standin"

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from mpi_util import last_json, run_mpi, run_mpi_json
 
 pytestmark = pytest.mark.mpi

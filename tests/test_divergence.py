@@ -9,9 +9,9 @@ same terms in another order, far from changing that).
 
 import numpy as np
 import pytest
+from mpi_util import last_json, run_local, run_mpi
 
 import refimpl.tools.run as train_module
-from mpi_util import last_json, run_local, run_mpi
 from refimpl.tools.run import TrainConfig, TrainingDiverged, train
 
 DIVERGING = ["--optimizer", "sgd", "--clip", "0", "--lr", "1e6", "--n-layer", "2", "--d-model", "16", "--n-head", "2",

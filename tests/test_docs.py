@@ -122,8 +122,9 @@ def test_link_rewriting(caplog):
     hooks = runpy.run_path(str(REPO / "docs" / "hooks.py"))
     rewrite = hooks["_rewrite"]
     text = "[engine](../refimpl/autograd/engine.py) [page](data_parallel.md) [t](../tutorials/01_autograd.py)"
-    assert rewrite(text, "autograd.md", None) == ("[engine](source/refimpl/autograd/engine.py.md) [page](data_parallel.md) "
-                                                  "[t](tutorials/01_autograd.md)")  # no repo_url: the site's page of the file
+    # no repo_url: the site's page of the file
+    assert rewrite(text, "autograd.md", None) == ("[engine](source/refimpl/autograd/engine.py.md) "
+                                                  "[page](data_parallel.md) [t](tutorials/01_autograd.md)")
     url = "https://example.org/refimpl"
     assert rewrite(text, "autograd.md", url).startswith(f"[engine]({url}/blob/main/refimpl/autograd/engine.py)")
     assert rewrite("```\n[x](../nowhere.py)\n```\n", "a.md", None) == "```\n[x](../nowhere.py)\n```\n"

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from mpi_util import PROGRAMS, run_local, run_mpi
+
 from refimpl.tools.runtime.watchdog import verdict
 
 INJECT = PROGRAMS / "inject_fault.py"
@@ -84,7 +84,8 @@ def check_fault(world: int, rank: int, at: str, kind: str, tmp_path: Path) -> No
         return
     assert done.returncode != 0, what
     bound = BOUND_S + (TIMEOUT if kind in STALLS else 0)
-    assert ended - float(fault.group(4)) <= bound, f"ended {ended - float(fault.group(4)):.1f} s after the fault; " + what
+    after = ended - float(fault.group(4))
+    assert after <= bound, f"ended {after:.1f} s after the fault; " + what
     if kind in ("os_exit", "kill"):  # no Python runs on that rank: the launcher ends the job with its
         # exit status (3, or 9 for SIGKILL) and, if it has time to, a "BAD TERMINATION" report naming its PID
         assert done.returncode in (3, 9) or "BAD TERMINATION" in done.stdout + done.stderr, what
@@ -165,7 +166,8 @@ def test_a_bad_timeout_is_refused(value):
 
 def per_rank_script(tmp_path: Path, body: str) -> Path:
     script = tmp_path / "per_rank.py"
-    script.write_text("import os, sys\nfrom refimpl.tools.runtime.launcher import launcher_rank\nrank = launcher_rank()\n" + body)
+    script.write_text("import os, sys\nfrom refimpl.tools.runtime.launcher import launcher_rank\n"
+                      "rank = launcher_rank()\n" + body)
     return script
 
 
@@ -229,8 +231,9 @@ def running(age, where="refimpl/tools/run.py:12 in train"):
 
 def test_the_verdict_names_the_ranks_that_did_not_arrive_and_where_the_others_wait():
     report = verdict({0: waiting(301), 1: running(305), 3: waiting(300)}, 4, 300)
-    assert report.startswith("watchdog: no progress for 300 s. Did not arrive: rank 1 (running refimpl/tools/run.py:12 in "
-                             "train, no progress for 305 s); rank 2 (no answer: stopped, exited, or its node is lost). "
+    assert report.startswith("watchdog: no progress for 300 s. "
+                             "Did not arrive: rank 1 (running refimpl/tools/run.py:12 in train, "
+                             "no progress for 305 s); rank 2 (no answer: stopped, exited, or its node is lost). "
                              "Waiting: ranks 0, 3 in allreduce over ranks 0-3 (for 301 s). ")
 
 

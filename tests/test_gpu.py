@@ -23,9 +23,9 @@ import os
 
 import numpy as np
 import pytest
-
 from backend_cases import OP_CASES, assert_same, gpt_step, run_op_case
 from mpi_util import run_local_json
+
 from refimpl import backend
 
 UNAVAILABLE = backend.cupy_unavailable()

@@ -17,9 +17,9 @@ SHOW = ("import sys; sys.path.insert(0, sys.argv[1]); import conftest; from hypo
 
 
 def profile(**env):
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HYPOTHESIS_", "REFIMPL_HYPOTHESIS"))}
     out = subprocess.run([sys.executable, "-c", SHOW, str(TESTS)], capture_output=True, text=True, check=True,
-                         env={**{k: v for k, v in os.environ.items() if not k.startswith(("HYPOTHESIS_", "REFIMPL_HYPOTHESIS"))},
-                              **env})
+                         env={**inherited, **env})
     name, derandomize, seed = out.stdout.split()
     return name, derandomize == "True", int(seed)
 

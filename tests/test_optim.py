@@ -207,7 +207,8 @@ def test_adamw_update_error_bound_holds(seed, betas, steps_before, lr, eps, weig
     state = opt.init_state(theta)
     t = steps_before + 1
     history = gradients(rng, steps_before)
-    if betas[1] > 1e-3 and rng.random() < 0.5:  # the worst history: g_j ∝ (β₁/β₂)^(t−j) makes |m̂|/√v̂ reach Cₜ (Cauchy–Schwarz)
+    # the worst history: g_j ∝ (β₁/β₂)^(t−j) makes |m̂|/√v̂ reach Cₜ (Cauchy–Schwarz)
+    if betas[1] > 1e-3 and rng.random() < 0.5:
         g0 = rng.standard_normal(N) * 10.0 ** rng.uniform(-3, 3, N)
         history = [g0 * (betas[0] / betas[1]) ** (t - j) for j in range(1, t)]
     for g in history:  # a state that training can reach

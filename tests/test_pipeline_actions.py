@@ -53,7 +53,8 @@ def test_examples_from_the_issue():
 
 
 def test_rank_text_round_trips_for_every_schedule():
-    for name, (pp, m) in {"1f1b": (3, 5), "interleaved": (2, 4), "zbv": (3, 6), "dualpipe": (4, 8), "dualpipev": (2, 4)}.items():
+    sizes = {"1f1b": (3, 5), "interleaved": (2, 4), "zbv": (3, 6), "dualpipe": (4, 8), "dualpipev": (2, 4)}
+    for name, (pp, m) in sizes.items():
         schedule = build(name, pp, m)
         for steps in schedule.ranks:
             assert parse_rank(format_rank(steps)) == list(steps)

@@ -3,7 +3,6 @@ saves, and resumes bit for bit at the same mesh, and to float64 rounding at anot
 dp degree, no pipeline at all): every stage's blocks are saved under their single-process names."""
 
 import pytest
-
 from mpi_util import run_mpi_json
 
 pytestmark = pytest.mark.mpi

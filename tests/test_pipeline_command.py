@@ -48,7 +48,8 @@ def test_json_of_dualpipe_has_directions_and_pairs(capsys):
     info = last_json(out)
     steps = [step for rank in info["actions"] for step in rank]
     pairs = [s for s in steps if s["kind"] == "F&B"]
-    assert pairs and all(set(p) == {"kind", "f", "b"} and p["f"]["kind"] == "F" and p["b"]["kind"] == "B" for p in pairs)
+    assert pairs
+    assert all(set(p) == {"kind", "f", "b"} and p["f"]["kind"] == "F" and p["b"]["kind"] == "B" for p in pairs)
     assert all("dir" in s for s in steps if s["kind"] != "F&B")
     assert info["idle_per_rank"] == [2, 2, 2, 2] and info["peak_activations_per_rank"] == [5, 5, 5, 5]
     assert info["parameter_copies_per_rank"] == [2.0] * 4
@@ -149,9 +150,9 @@ def test_svg_pictures_are_well_formed_xml():
     import pathlib
     import xml.etree.ElementTree as ET
 
-    from refimpl.tools.render import render_svg
     from refimpl.parallel.pipeline.schedules import build
     from refimpl.parallel.pipeline.simulate import Costs, simulate
+    from refimpl.tools.render import render_svg
 
     ET.fromstring(render_svg(simulate(build("dualpipe", 4, 8), Costs())))
     for path in (pathlib.Path(__file__).resolve().parents[1] / "docs" / "images").glob("*.svg"):

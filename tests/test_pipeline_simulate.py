@@ -169,10 +169,12 @@ def test_peak_activations_in_both_conventions(name, pp, m, freed_at_w, freed_at_
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]), st.integers(1, 4), st.integers(0, 6))
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]),
+       st.integers(1, 4), st.integers(0, 6))
 def test_closed_form_peaks_match_the_simulator(name, half, extra):
     pp = 2 * half if name == "dualpipe" else half
-    m = {"interleaved": pp * (1 + extra % 3), "dualpipe": 2 * pp + 2 * extra, "dualpipev": 2 * pp + extra}.get(name, 2 * pp - 1 + extra)
+    m = {"interleaved": pp * (1 + extra % 3), "dualpipe": 2 * pp + 2 * extra,
+         "dualpipev": 2 * pp + extra}.get(name, 2 * pp - 1 + extra)
     schedule = build(name, pp, m)
     expected = closed_form(schedule, Costs()).peak_activations
     assert expected is not None
@@ -195,7 +197,8 @@ def test_gpipe_with_latency_pays_each_hop_twice(p, m, latency):
 @given(st.sampled_from(["1f1b", "zb1p", "zbv", "dualpipe", "interleaved"]), costs)
 def test_latency_never_shortens_a_schedule(name, latency):
     schedule = build(name, 4, 8)
-    assert simulate(schedule, latency=latency, steady_state=False).makespan >= simulate(schedule, steady_state=False).makespan
+    without = simulate(schedule, steady_state=False).makespan
+    assert simulate(schedule, latency=latency, steady_state=False).makespan >= without
 
 
 def test_local_transfers_pay_no_latency():
@@ -208,7 +211,8 @@ def test_costs_parse_and_defaults():
     c = Costs.parse("F=1,I=2,W=1/2")
     assert (c.F, c.I, c.W, c.B, c.FB) == (1, 2, Fraction(1, 2), Fraction(5, 2), Fraction(7, 2))
     assert Costs.parse("F&B=2.5").FB == Fraction(5, 2)
-    assert Costs().scaled(Fraction(1, 2)).as_dict() == {"F": Fraction(1, 2), "B": 1, "I": Fraction(1, 2), "W": Fraction(1, 2), "FB": Fraction(3, 2)}
+    half = Fraction(1, 2)
+    assert Costs().scaled(half).as_dict() == {"F": half, "B": 1, "I": half, "W": half, "FB": Fraction(3, 2)}
     for bad in ("F", "X=1", "F=abc", "F=-1"):
         with pytest.raises(ValueError):
             Costs.parse(bad)

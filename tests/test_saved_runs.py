@@ -8,12 +8,11 @@ import shutil
 
 import numpy as np
 import pytest
-
 from mpi_util import run_local, run_local_json, run_mpi_json
 from test_zero import run_mpi_error
 
-from refimpl.tools.saved_runs import sharded
 from refimpl.tools.run import TrainConfig, build_model, build_task, train
+from refimpl.tools.saved_runs import sharded
 
 pytestmark = pytest.mark.mpi
 
@@ -141,7 +140,8 @@ def test_checkpoint_from_another_model_is_a_clear_error(saved, tmp_path):
     manifest["format"] = "refimpl-sharded-checkpoint/1"
     (old / "manifest.json").write_text(json.dumps(manifest))
     cfg = TrainConfig(model="gpt", n_layer=1, d_model=16, n_head=2, seq_len=16, dtype="float64")
-    with pytest.raises(ValueError, match=r"is from another model \(wte.weight \(11, 8\) there, wte.weight \(11, 16\) here;"):
+    with pytest.raises(ValueError,
+                       match=r"is from another model \(wte.weight \(11, 8\) there, wte.weight \(11, 16\) here;"):
         sharded.check_model(sharded.read(str(old)), build_model(cfg, build_task(cfg)), cfg)
     assert "records no run fingerprint" in sharded.check_run(sharded.read(str(old)), cfg)
 

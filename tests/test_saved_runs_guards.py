@@ -11,13 +11,12 @@ import shutil
 
 import numpy as np
 import pytest
-
 from mpi_util import run_local, run_mpi, run_mpi_json
 from test_zero import run_mpi_error
 
+from refimpl.tools.run import TrainConfig, train
 from refimpl.tools.runtime.failure import AgreedError
 from refimpl.tools.saved_runs import fingerprint, safe_files, sharded
-from refimpl.tools.run import TrainConfig, train
 
 BASE = dict(model="gpt", n_layer=1, d_model=8, n_head=2, seq_len=8, dtype="float64", batch_size=4, steps=6,
             lr=1e-2, dropout=0.1)
@@ -71,8 +70,8 @@ def saved(tmp_path):
 def test_the_fingerprint_holds_what_defines_a_run_and_nothing_else():
     fields = fingerprint.of(TrainConfig(**BASE))["fields"]
     # A new TrainConfig field lands here unless it is listed in fingerprint.MAY_CHANGE: decide which.
-    assert sorted(fields) == ["aux_coef", "batch_size", "capacity_factor", "clip", "d_model", "data", "dropout", "dtype",
-                              "experts", "lr", "model", "moe_every", "n_head", "n_layer", "optimizer", "seed",
+    assert sorted(fields) == ["aux_coef", "batch_size", "capacity_factor", "clip", "d_model", "data", "dropout",
+                              "dtype", "experts", "lr", "model", "moe_every", "n_head", "n_layer", "optimizer", "seed",
                               "seq_len", "top_k", "weight_decay"]
     assert not {"steps", "save_every", "save_dir", "resume", "zero", "timeout", "grad_accum"} & set(fields)
     a, b = fingerprint.of(TrainConfig(**BASE)), fingerprint.of(TrainConfig(**{**BASE, "steps": 99, "zero": 3}))

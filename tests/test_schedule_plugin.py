@@ -15,10 +15,10 @@ import pytest
 from mpi_util import REPO, run_mpi_json
 
 from refimpl.parallel.pipeline import Costs, Schedule, build, simulate, validate
-from refimpl.tools.plugin import build_schedule
-from refimpl.tools.plugin import is_spec as is_plugin
 from refimpl.tools.cli import main
 from refimpl.tools.flags import schedule_name
+from refimpl.tools.plugin import build_schedule
+from refimpl.tools.plugin import is_spec as is_plugin
 
 EXAMPLE = "docs/examples/my_schedule.py:early_backward"
 SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--n-layer", "2", "--steps", "2"]

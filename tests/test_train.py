@@ -116,7 +116,8 @@ def test_empty_text_file_is_a_clear_error(tmp_path):
 
 def test_import_and_one_process_training_never_import_mpi4py():
     code = ("import sys, refimpl, refimpl.tools.run, refimpl.tools.cli; refimpl.tools.cli.build_parser();"
-            "from refimpl.tools.run import TrainConfig, train; train(TrainConfig(model='mlp', steps=1), progress=False);"
+            "from refimpl.tools.run import TrainConfig, train;"
+            "train(TrainConfig(model='mlp', steps=1), progress=False);"
             "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from refimpl.tools import cli
 from refimpl.memory import parse_bytes
+from refimpl.tools import cli
 from refimpl.tools.run import TrainConfig
 
 REFUSED = [

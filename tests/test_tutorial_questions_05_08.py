@@ -16,10 +16,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tutorials"))  # the exercise harness, as the tutorials import it
 from harness import run_check  # noqa: E402
-from tutorial_util import SOLUTIONS, solution  # noqa: E402
 from harness.checkpointing import check_cheapest_every_k  # noqa: E402
 from harness.schedules import check_interleaved_bubble, check_zb1p_idle_any  # noqa: E402
 from harness.zero import check_zero3_bytes  # noqa: E402
+from tutorial_util import SOLUTIONS, solution  # noqa: E402
 
 TUTORIALS = ["05_zero", "06_checkpointing", "07_pipeline_schedules", "08_zero_bubble"]
 

@@ -17,10 +17,10 @@ from mpi_util import run_mpi_json
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tutorials"))  # the exercise harness, as the tutorials import it
 from harness import run_check  # noqa: E402
-from tutorial_util import solution  # noqa: E402
 from harness.composition import check_stage_model_states, reference_stage_model_states  # noqa: E402
 from harness.experts import check_alltoall_bytes  # noqa: E402
 from harness.tensor_parallel import check_tp_allreduce_bytes  # noqa: E402
+from tutorial_util import solution  # noqa: E402
 
 TUTORIALS = {"09": "09_everything_together", "10": "10_tensor_parallel", "11": "11_experts_and_overlap"}
 

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tutorials"))  # the exercise harness, tutorials/harness/, as the tutorials import it
 from harness import run_check  # noqa: E402
 from tutorial_util import solution  # noqa: E402
+
 TUTORIALS = sorted((REPO / "tutorials").glob("[0-9][0-9]_*.py"))
 SOLUTIONS = REPO / "tutorials" / "solutions"
 

@@ -5,14 +5,13 @@ import json
 
 import numpy as np
 import pytest
-
 from mpi_util import PROGRAMS, REPO, last_json, run_local, run_mpi, run_mpi_json
 
+from refimpl.tools.commands.verify import add_arguments
 from refimpl.tools.compare import compare_arrays, compare_step
-from refimpl.tools.sweep import draw_flags, numpy_chooser
 from refimpl.tools.compare_mixed import mixed_tolerance
 from refimpl.tools.flags import config_from_args
-from refimpl.tools.commands.verify import add_arguments
+from refimpl.tools.sweep import draw_flags, numpy_chooser
 
 BROKEN = REPO / "tests" / "trainers" / "broken.py"
 EXAMPLE = REPO / "docs" / "examples" / "flat_allreduce_trainer.py"
@@ -106,7 +105,8 @@ SMALL = ["--n-layer", "1", "--d-model", "8", "--n-head", "2", "--seq-len", "8", 
 
 @pytest.mark.mpi
 def test_nan_gradients_on_one_step_fail_verify_on_every_rank_naming_step_tensor_and_side():
-    done = run_mpi(2, ["-m", "refimpl", "verify", *SMALL, "--trainer", f"{BROKEN}:nan_on_step_1", "--json"], timeout=300)
+    done = run_mpi(2, ["-m", "refimpl", "verify", *SMALL, "--trainer", f"{BROKEN}:nan_on_step_1", "--json"],
+                   timeout=300)
     assert done.returncode == 1, done.stderr
     result = last_json(done)
     assert result["ok"] is False and result["tolerance_used"] >= 1e308  # inf, written as JSON can hold it
@@ -178,8 +178,8 @@ def mixed_cases(world):
                           "--clip", "0", "--collectives", "ring"])
     cases.append(MIXED + ["--model", "mlp", "--zero", "3", "--batch-size", str(8 * world), "--clip", "0"])
     if world % 2 == 0:  # mixed precision inside a pipeline: the loss scale travels with the gradients between stages
-        cases.append(MIXED + ["--zero", "3", "--pp", "2", "--schedule", "zb1p", "--micro-batches", "2", "--n-layer", "2",
-                              "--batch-size", str(4 * world)])
+        cases.append(MIXED + ["--zero", "3", "--pp", "2", "--schedule", "zb1p", "--micro-batches", "2",
+                              "--n-layer", "2", "--batch-size", str(4 * world)])
     cases.append(MIXED + ["--zero", "1", "--batch-size", str(4 * world), "--inject-overflow", "1"])
     return cases
 

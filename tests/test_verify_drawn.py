@@ -28,7 +28,6 @@ import pytest
 from conftest import VERIFIED, launches
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-
 from mpi_util import PROGRAMS, last_json, run_mpi
 
 from refimpl.tools.sweep import SMALL, draw_flags

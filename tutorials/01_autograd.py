@@ -282,8 +282,7 @@ assert all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b),
 
 # %%
 from harness import Exercises
-from harness.autograd import (check_backward_once, check_linear_backward, check_sigmoid_backward,
-                              check_topological_order)
+from harness.autograd import check_backward_once, check_linear_backward, check_sigmoid_backward, check_topological_order
 
 ex = Exercises("01_autograd")
 
@@ -313,4 +312,4 @@ ex.check(1, check_sigmoid_backward, sigmoid_backward)
 ex.check(2, check_linear_backward, linear_backward)
 ex.check(3, check_topological_order, topological_order)
 ex.check(4, check_backward_once, backward_once)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -110,8 +110,8 @@ print(f"initial loss {initial:.3f}; ln V = ln {task.vocab_size} = {np.log(task.v
 # trainer in refimpl is verified against it (tutorial 04).
 
 # %%
-from refimpl.optim import AdamW
 from refimpl.local_trainer import LocalTrainer
+from refimpl.optim import AdamW
 from refimpl.tools.run import evaluate
 
 trainer = LocalTrainer(model, AdamW(model.parameters(), lr=3e-3, weight_decay=0.0), clip=1.0)
@@ -228,4 +228,4 @@ ex.check(1, check_attention, attention)
 ex.check(2, check_count_parameters, count_parameters)
 ex.check(3, check_cross_entropy, cross_entropy)
 ex.check(4, check_cross_entropy_grad, cross_entropy_grad)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

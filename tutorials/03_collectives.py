@@ -14,10 +14,10 @@
 
 # %%
 import numpy as np
-
-from refimpl.parallel import ring
 from harness import last_json, run_mpi
 from harness.collectives import run_ring
+
+from refimpl.parallel import ring
 
 # %% [markdown]
 # ## 1. Why a ring
@@ -168,8 +168,12 @@ for row in last_json(done):
 
 # %%
 from harness import Exercises
-from harness.collectives import (check_allreduce_bytes, check_bottleneck_bytes, check_ring_allgather,
-                                 check_ring_reduce_scatter)
+from harness.collectives import (
+    check_allreduce_bytes,
+    check_bottleneck_bytes,
+    check_ring_allgather,
+    check_ring_reduce_scatter,
+)
 
 ex = Exercises("03_collectives")
 
@@ -199,4 +203,4 @@ ex.check(1, check_ring_allgather, ring_allgather)
 ex.check(2, check_ring_reduce_scatter, ring_reduce_scatter)
 ex.check(3, check_allreduce_bytes, allreduce_bytes)
 ex.check(4, check_bottleneck_bytes, bottleneck_bytes)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

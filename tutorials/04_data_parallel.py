@@ -17,12 +17,12 @@
 
 # %%
 import numpy as np
+from harness import last_json, run_mpi
 
 from refimpl.data import IGNORE, SortTask
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
-from harness import last_json, run_mpi
 
 # %% [markdown]
 # ## 1. The loss that makes gradients add up
@@ -188,8 +188,7 @@ for mode, extra in [("naive", []), ("bucketed", ["--bucket-bytes", "4096"])]:
 
 # %%
 from harness import Exercises
-from harness.data_parallel import (check_assign_buckets, check_bucketed_bytes, check_local_loss,
-                                   check_rank_micro_batches)
+from harness.data_parallel import check_assign_buckets, check_bucketed_bytes, check_local_loss, check_rank_micro_batches
 
 ex = Exercises("04_data_parallel")
 
@@ -219,4 +218,4 @@ ex.check(1, check_rank_micro_batches, rank_micro_batches)
 ex.check(2, check_local_loss, local_loss)
 ex.check(3, check_assign_buckets, assign_buckets)
 ex.check(4, check_bucketed_bytes, bucketed_bytes)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -22,11 +22,11 @@ import subprocess
 import sys
 
 import numpy as np
+from harness import last_json, run_mpi
 
 from refimpl.nn import GPT, GPTConfig
 from refimpl.optim import AdamW
 from refimpl.parallel.zero.flat import FlatGroup
-from harness import last_json, run_mpi
 
 # %% [markdown]
 # ## 1. Where the memory goes
@@ -280,4 +280,4 @@ ex.check(1, check_model_state_bytes, model_state_bytes)
 ex.check(2, check_shard_bounds, shard_bounds)
 ex.check(3, check_sharded_update, sharded_update)
 ex.check(4, check_zero3_bytes, zero3_bytes)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -16,8 +16,15 @@
 import numpy as np
 
 from refimpl.autograd import Tensor, saved_tensors
-from refimpl.checkpointing import actions_for, apply_to_gpt, checkpoint, count_forward_calls, measure_chain, revolve
-from refimpl.checkpointing import simulate_chain
+from refimpl.checkpointing import (
+    actions_for,
+    apply_to_gpt,
+    checkpoint,
+    count_forward_calls,
+    measure_chain,
+    revolve,
+    simulate_chain,
+)
 from refimpl.checkpointing.measure import tanh_chain
 from refimpl.data import SortTask
 from refimpl.nn import GPT, GPTConfig
@@ -202,10 +209,10 @@ assert result["ok"]
 # with the counters and the ledger and tries every budget from 0 to n + 1.
 
 # %%
-from refimpl.checkpointing.actions import Advance, Backprop, Free, Record, Restore, Snapshot  # noqa: F401 - exercise 3
 from harness import Exercises
-from harness.checkpointing import (check_cheapest_every_k, check_every_k_schedule, check_revolve_extra,
-                                  check_sqrt_cost)
+from harness.checkpointing import check_cheapest_every_k, check_every_k_schedule, check_revolve_extra, check_sqrt_cost
+
+from refimpl.checkpointing.actions import Advance, Backprop, Free, Record, Restore, Snapshot  # noqa: F401 - exercise 3
 
 ex = Exercises("06_checkpointing")
 
@@ -235,4 +242,4 @@ ex.check(1, check_sqrt_cost, sqrt_cost)
 ex.check(2, check_revolve_extra, revolve_extra)
 ex.check(3, check_every_k_schedule, every_k_schedule)
 ex.check(4, check_cheapest_every_k, cheapest_every_k)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -207,4 +207,4 @@ ex.check(1, check_gpipe, gpipe)
 ex.check(2, check_one_f_one_b, one_f_one_b)
 ex.check(3, check_bubble_fraction, bubble_fraction)
 ex.check(4, check_interleaved_bubble, interleaved_bubble)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -199,4 +199,4 @@ ex.check(1, check_zb1p_idle, zb1p_idle)
 ex.check(2, check_peak_activations, peak_activations)
 ex.check(3, check_zb_h1, zb_h1)
 ex.check(4, check_zb1p_idle_any, zb1p_idle_any)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -14,8 +14,9 @@
 import subprocess
 import sys
 
-from refimpl.parallel.pipeline import Costs, build, simulate
 from harness import last_json, run_mpi
+
+from refimpl.parallel.pipeline import Costs, build, simulate
 
 # %% [markdown]
 # ## 1. The grid
@@ -189,8 +190,9 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp
 # **Exercise 3.** `gradient_group(rank, dp, pp, schedule)`, with tp = 1: the list, in increasing
 # order, of the world ranks that sum their gradients with `rank`: every rank, in every replica,
 # that holds the same stages. With `"1f1b"` (stage p on pipeline rank p) and `"zbv"` (stages p and
-# 2pp − 1 − p) that is the rank's row in section 1's grid, its data-parallel group; with `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so
-# pipeline ranks p and pp − 1 − p of every replica hold the same two stages.
+# 2pp − 1 − p) that is the rank's row in section 1's grid, its data-parallel group; with
+# `"dualpipe"` pipeline rank p also holds stage pp − 1 − p, so pipeline ranks p and pp − 1 − p of
+# every replica hold the same two stages.
 #
 # **Exercise 4.** `stage_model_states(n_layer, d_model, seq_len, vocab_size, dp, pp, zero)`: the
 # table of section 2 before you run it. Return one dict per pipeline rank, `{"parameters": bytes,
@@ -206,8 +208,12 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp
 
 # %%
 from harness import Exercises
-from harness.composition import check_gradient_group, check_mesh_coordinates, check_stage_layers
-from harness.composition import check_stage_model_states
+from harness.composition import (
+    check_gradient_group,
+    check_mesh_coordinates,
+    check_stage_layers,
+    check_stage_model_states,
+)
 
 ex = Exercises("09_everything_together")
 
@@ -237,4 +243,4 @@ ex.check(1, check_mesh_coordinates, mesh_coordinates)
 ex.check(2, check_stage_layers, stage_layers)
 ex.check(3, check_gradient_group, gradient_group)
 ex.check(4, check_stage_model_states, stage_model_states)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -25,15 +25,20 @@
 
 # %%
 import numpy as np
+from harness import last_json, run_mpi
+from harness.tensor_parallel import reference_mlp_slices, run_ranks
 
 from refimpl.autograd import Parameter, Tensor
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
-from refimpl.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, padded, shard_gpt,
-                                              vocab_parallel_cross_entropy)
+from refimpl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    padded,
+    shard_gpt,
+    vocab_parallel_cross_entropy,
+)
 from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
-from harness import last_json, run_mpi
-from harness.tensor_parallel import reference_mlp_slices, run_ranks
 
 
 def gelu(z):  # refimpl's GeLU on a plain array
@@ -395,8 +400,12 @@ print(f"tolerance used {result['tolerance_used']:.3g}: the worst number used {10
 
 # %%
 from harness import Exercises
-from harness.tensor_parallel import check_conjugate_operators, check_mlp_slices, check_qkv_slices
-from harness.tensor_parallel import check_tp_allreduce_bytes
+from harness.tensor_parallel import (
+    check_conjugate_operators,
+    check_mlp_slices,
+    check_qkv_slices,
+    check_tp_allreduce_bytes,
+)
 
 ex = Exercises("10_tensor_parallel")
 
@@ -442,4 +451,4 @@ ex.check(1, check_conjugate_operators, conjugate_operators)
 ex.check(2, check_mlp_slices, mlp_slices)
 ex.check(3, check_qkv_slices, qkv_slices)
 ex.check(4, check_tp_allreduce_bytes, tp_allreduce_bytes)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

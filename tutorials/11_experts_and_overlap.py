@@ -28,6 +28,8 @@
 
 # %%
 import numpy as np
+from harness import last_json, run_mpi
+from harness.experts import moe_backward, moe_forward, run_ranks
 
 from refimpl.autograd import Tensor, grad_mode
 from refimpl.nn import functional as F
@@ -35,8 +37,6 @@ from refimpl.nn.experts import MoE, route
 from refimpl.parallel.comm import LocalComm
 from refimpl.parallel.experts import ExpertParallel
 from refimpl.parallel.pipeline.overlap import Interleaver
-from harness import last_json, run_mpi
-from harness.experts import moe_backward, moe_forward, run_ranks
 
 np.set_printoptions(precision=3, suppress=True)
 
@@ -239,7 +239,8 @@ def expert_parallel(comm):
     moe.experts_runner = runner
     y = moe(Tensor(xs[comm.rank], requires_grad=True))  # its input comes from attention: it needs a gradient
     y.backward(dys[comm.rank])
-    grads = {e: [p.grad for p in moe.experts[e].parameters()] for e in range(runner.first, runner.first + runner.per_rank)}
+    kept = range(runner.first, runner.first + runner.per_rank)  # the experts this rank holds
+    grads = {e: [p.grad for p in moe.experts[e].parameters()] for e in kept}
     return y.data, grads, runner.traffic[0], comm.counters.snapshot()
 
 
@@ -282,9 +283,10 @@ print(f"both ranks' all-to-all(v) bytes: {total} = 4 · C · {itemsize} · {remo
 # travels, the other chunk computes. refimpl's executor does the same for the F&B steps of
 # `dualpipe` and `dualpipev` with `overlap.Interleaver`: the F and the B run as two cooperative
 # threads of which **exactly one runs at any time**. Every all-to-all is non-blocking (`exchange`
-# in refimpl/parallel/experts.py starts `ialltoallv`), and right after starting one a task calls
-# `pause()`: the other task resumes where it paused and computes while the rows travel, until it
-# starts its own all-to-all and pauses in turn, or finishes.
+# in refimpl/parallel/experts.py starts `ialltoallv` through the runner's `all_to_all` hook, which
+# the trainer points at its executor's), and right after starting one a task calls `pause()`: the
+# other task resumes where it paused and computes while the rows travel, until it starts its own
+# all-to-all and pauses in turn, or finishes.
 #
 # Here is the real thing, in one process: refimpl's layer with `ExpertParallel` over a group of one
 # (`LocalComm`: the all-to-alls are copies, but they are started, paused at and waited for exactly
@@ -336,6 +338,7 @@ def f_and_b(overlap: bool):
 
     if overlap:
         interleaver = Interleaver()
+        moe.experts_runner.all_to_all = interleaver.all_to_all  # start, pause(), wait (the executor's does the same)
         interleaver.run(forward, backward)  # F first; they switch at every pause()
         out["switches"] = interleaver.switches
     else:
@@ -385,8 +388,9 @@ print("B:", moe_backward([0, 1]))
 # and 1 are position 0 of the two replicas, ranks 2 and 3 position 1 (tutorial 09's grid). Under
 # DualPipe each rank holds two stages, one of each direction (tutorial 08), and `--ep 2` splits
 # the experts of each of its MoE layers over the two replicas at the same position: expert-parallel
-# groups {0, 1} and {2, 3}, 2 of the 4 experts per rank. DualPipe's F&B steps run overlapped. `verify` trains it and compares the loss, every gradient and
-# every parameter after each step with single-process training from the same weights and batches:
+# groups {0, 1} and {2, 3}, 2 of the 4 experts per rank. DualPipe's F&B steps run overlapped.
+# `verify` trains it and compares the loss, every gradient and every parameter after each step
+# with single-process training from the same weights and batches:
 
 # %%
 SMALL = ["--model", "gpt", "--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "8"]
@@ -501,8 +505,13 @@ assert all(report["identical"]) and all(n > 0 for n in report["switches_on"])
 
 # %%
 from harness import Exercises
-from harness.experts import check_alltoall_bytes, check_dispatch_indices, check_exposed_time, check_overlapped_order
-from harness.experts import is_alltoall  # noqa: F401 - for exercises 2 and 3
+from harness.experts import (
+    check_alltoall_bytes,
+    check_dispatch_indices,
+    check_exposed_time,
+    check_overlapped_order,
+    is_alltoall,  # noqa: F401 - for exercises 2 and 3
+)
 
 ex = Exercises("11_experts_and_overlap")
 
@@ -532,4 +541,4 @@ ex.check(1, check_dispatch_indices, dispatch_indices)
 ex.check(2, check_overlapped_order, overlapped_order)
 ex.check(3, check_exposed_time, exposed_time)
 ex.check(4, check_alltoall_bytes, alltoall_bytes)
-ex.summary();  # the `;` keeps a notebook from echoing the returned True/False
+ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

@@ -25,12 +25,12 @@ import sys
 
 import numpy as np
 
+from refimpl.local_trainer import LocalTrainer
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
 from refimpl.optim import clip_grad_norm_
 from refimpl.parallel.comm import get_world
-from refimpl.local_trainer import LocalTrainer
-from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 from refimpl.tools.compare import TOLERANCES, Comparison, compare_step
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 
 class FlatAllReduceTrainer:

@@ -1,4 +1,5 @@
-"""Command line: `python -m refimpl {train, verify, schedule, memory, consolidate, tensor-parallel, predict, plan, calibrate} ...`.
+"""Command line:
+`python -m refimpl {train, verify, schedule, memory, consolidate, tensor-parallel, predict, plan, calibrate} ...`.
 
 Each command lives in its own module in refimpl/tools/commands/, which provides `add_arguments(parser)`
 and `run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
@@ -28,8 +29,10 @@ COMMANDS = {
     "tensor-parallel": ("refimpl.tools.commands.tensor_parallel",
                         "tensor parallelism's activation, byte and parameter formulas beside the measurement"),
     "predict": ("refimpl.tools.commands.predict", "memory per GPU and step time of one configuration on a cluster"),
-    "plan": ("refimpl.tools.commands.plan", "search the parallel configurations of a model on a cluster for the fastest"),
-    "calibrate": ("refimpl.tools.commands.calibrate", "measure this machine's links, GEMM rate and overheads for the cluster model"),
+    "plan": ("refimpl.tools.commands.plan",
+             "search the parallel configurations of a model on a cluster for the fastest"),
+    "calibrate": ("refimpl.tools.commands.calibrate",
+                  "measure this machine's links, GEMM rate and overheads for the cluster model"),
 }
 
 

@@ -40,7 +40,7 @@ class Comparison:
     worst_name: str | None = None  # the tensor with the largest tolerance_used
     problems: list = field(default_factory=list)  # one line each: non-finite values, missing names, shapes
 
-    def merge(self, other: "Comparison") -> "Comparison":
+    def merge(self, other: Comparison) -> Comparison:
         """Both comparisons together (the worse figures, all problems)."""
         worst = other if other.tolerance_used > self.tolerance_used else self
         return Comparison(self.ok and other.ok, max(self.max_abs_diff, other.max_abs_diff),
@@ -74,7 +74,8 @@ def compare_arrays(ours: dict, reference: dict, rtol: float, atol: float, *, wha
         a, b = np.asarray(ours[name], dtype=np.float64), np.asarray(reference[name], dtype=np.float64)
         if a.shape != b.shape:
             result.ok, result.tolerance_used = False, float("inf")
-            result.problems.append(f"{where}{name} has shape {a.shape} on the distributed side, {b.shape} in the reference")
+            result.problems.append(f"{where}{name} has shape {a.shape} on the distributed side, "
+                                   f"{b.shape} in the reference")
             continue
         bad = [m for m in (_nonfinite(a, name, "distributed", where), _nonfinite(b, name, "reference", where)) if m]
         if bad:
@@ -88,14 +89,16 @@ def compare_arrays(ours: dict, reference: dict, rtol: float, atol: float, *, wha
         allowed = tol + rtol * np.abs(b)
         used = float(np.max(np.divide(diff, allowed, out=np.where(diff > 0, np.inf, 0.0), where=allowed > 0)))
         result.max_abs_diff = max(result.max_abs_diff, float(diff.max()))
-        result.max_rel_diff = max(result.max_rel_diff, float((diff / np.maximum(np.abs(b), max(float(np.max(tol)), 1e-300))).max()))
+        relative = diff / np.maximum(np.abs(b), max(float(np.max(tol)), 1e-300))
+        result.max_rel_diff = max(result.max_rel_diff, float(relative.max()))
         if used > result.tolerance_used or result.worst_name is None:
             result.tolerance_used, result.worst_name = max(used, result.tolerance_used), name
     result.ok = result.ok and result.tolerance_used <= 1.0
     return result
 
 
-def compare_values(ours: float, reference: float, rtol: float, atol: float, name: str, step: int | None = None) -> Comparison:
+def compare_values(ours: float, reference: float, rtol: float, atol: float, name: str,
+                   step: int | None = None) -> Comparison:
     """Compare two numbers (a step's loss) by the same rule."""
     return compare_arrays({name: np.float64(ours)}, {name: np.float64(reference)}, rtol, atol, step=step)
 

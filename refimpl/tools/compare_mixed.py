@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl import backend
-from refimpl.tools.compare import Comparison, compare_arrays, compare_step, compare_values
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
+from refimpl.tools.compare import Comparison, compare_arrays, compare_step, compare_values
 
 FLOAT16_UNIT_ROUNDOFF = 2.0 ** -11  # u: float16 rounds a real x to x(1 + δ), |δ| ≤ u (11-bit significand)
 FLOAT16_SUBNORMAL_HALF_SPACING = 2.0 ** -25  # η: below 2⁻¹⁴ float16 rounds to a multiple of 2⁻²⁴
@@ -43,10 +43,10 @@ def mixed_tolerance(world_size: int, grad_accum: int) -> dict:
     partial gradients cancel (an output bias, whose per-example gradients sum to nearly zero).
 
     The master weights are compared *in lockstep*: before each step the reference takes the
-    distributed run's master weights, optimizer state and loss scale (Trainer.full_optimizer_state, parallel/trainer.py),
-    so each step's difference comes from that step's gradients alone and does not compound
-    (AdamW turns a sign flip of a near-zero gradient into a 2·lr difference, which an independent
-    run would then carry and amplify). From the same state, an update differs by at most the
+    distributed run's master weights, optimizer state and loss scale (Trainer.full_optimizer_state,
+    parallel/trainer.py), so each step's difference comes from that step's gradients alone and does
+    not compound (AdamW turns a sign flip of a near-zero gradient into a 2·lr difference, which an
+    independent run would then carry and amplify). From the same state, an update differs by at most the
     optimizer's update_error_bound(δ) (SGD: lr·δ; AdamW: optim/adamw.py), so
 
         |w_i − w_ref,i| ≤ 4·u₃₂·|w_ref,i| + update_error_bound(δ)_i,      u₃₂ = 2⁻²⁴

@@ -44,7 +44,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layer", type=int, help="transformer blocks, or MLP hidden layers (default 2)")
     p.add_argument("--d-model", type=int, help="model width (default 64)")
     p.add_argument("--n-head", type=int, help="attention heads (default 4)")
-    p.add_argument("--seq-len", type=int, help="context length (sorting: 2 x sequence length, default 16; --data: default 64)")
+    p.add_argument("--seq-len", type=int,
+                   help="context length (sorting: 2 x sequence length, default 16; --data: default 64)")
     p.add_argument("--data", metavar="FILE", help="train a character-level GPT on this UTF-8 text file")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     p.add_argument("--weight-decay", type=float, default=None, help="weight decay, >= 0 (default 0: none)")
@@ -59,7 +60,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks; data parallel = world size / pp")
     p.add_argument("--schedule", type=schedule_name, metavar="NAME",
                    help="pipeline schedule: gpipe, 1f1b, interleaved, zb1p, zbh2, zbv, dualpipe, dualpipev, or one of "
-                        "your own as MODULE:FUNCTION or FILE.py:FUNCTION (docs/capstone.md) (default 1f1b when --pp > 1)")
+                        "your own as MODULE:FUNCTION or FILE.py:FUNCTION (docs/capstone.md) "
+                        "(default 1f1b when --pp > 1)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step and replica (default 2 x pp)")
     p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved only; default 2)")
     p.add_argument("--action-costs", metavar="F=0.02,I=0.02,W=0.02",
@@ -76,9 +78,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=0, metavar="E",
                    help="mixture of experts: E expert MLPs per MoE block (default 0: the dense MLP)")
     p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts chosen per token (default 2)")
-    p.add_argument("--moe-every", type=int, default=1, metavar="N", help="every N-th block gets the experts (default 1)")
+    p.add_argument("--moe-every", type=int, default=1, metavar="N",
+                   help="every N-th block gets the experts (default 1)")
     p.add_argument("--capacity-factor", type=float, default=None, metavar="C",
-                   help="at most ceil(C x K x T / E) tokens per expert and sequence, later ones dropped (default: dropless)")
+                   help="at most ceil(C x K x T / E) tokens per expert and sequence, later ones dropped "
+                        "(default: dropless)")
     p.add_argument("--ep", type=int, default=1, metavar="P",
                    help="expert-parallel ranks: each holds experts/P of them, tokens travel by all-to-all; P divides "
                         "the data-parallel degree (default 1)")
@@ -95,7 +99,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-budget", type=parse_bytes, default=None, metavar="SIZE",
                    help="per-rank memory budget, e.g. 200MB: exceeding it is an out-of-memory error")
     p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints under DIR/step_NNNNNNNN/")
-    p.add_argument("--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (default: at the end)")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="checkpoint every K steps (default: at the end)")
     p.add_argument("--resume", metavar="PATH", help="continue the run saved in PATH: a step directory, or a "
                    "--save-dir (its newest intact step); only --steps, --save-every, world size, --zero and other "
                    "flags that do not change what is computed may differ (docs/zero.md)")
@@ -116,7 +121,8 @@ def config_from_args(args) -> TrainConfig:
     values = {}
     for field in TrainConfig.__dataclass_fields__:
         given = getattr(args, field, None)
-        values[field] = given if given is not None else defaults.get(field, TrainConfig.__dataclass_fields__[field].default)
+        default = defaults.get(field, TrainConfig.__dataclass_fields__[field].default)
+        values[field] = given if given is not None else default
     return TrainConfig(**values)
 
 
@@ -142,7 +148,8 @@ def add_model_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> No
                    help="mixed: 16-bit training (P = G = 2, K = 12 bytes per parameter) (default); float32; float64")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (> 0 keeps the masks; default 0)")
     p.add_argument("--tie-weights", action="store_true", help="the head shares the token embedding")
-    p.add_argument("--experts", type=int, default=0, metavar="E", help="mixture of experts: E expert MLPs per MoE block")
+    p.add_argument("--experts", type=int, default=0, metavar="E",
+                   help="mixture of experts: E expert MLPs per MoE block")
     p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts per token (default 2)")
     p.add_argument("--moe-every", type=int, default=1, metavar="N", help="every N-th block has experts (default 1)")
     p.add_argument("--cluster", default="a100-80gb",

@@ -18,15 +18,14 @@ refimpl depends on it.
 `render_lanes_svg` draws the inside of one step (an F&B with the experts' all-to-alls) as lanes:
 the compute lane (the F's and the B's chunks, one task at a time), each action's all-to-alls in
 flight, and the waits on them (exposed communication); `step_lanes` sorts the simulator's
-Segments or a measured run's overlap.Link events into those lanes.
+Segments or a measured run's pacing.Pacing events into those lanes.
 """
 
 from __future__ import annotations
 
-from xml.sax.saxutils import escape  # "3&5" must be "3&amp;5" in SVG text
-
 import math
 from fractions import Fraction
+from xml.sax.saxutils import escape  # "3&5" must be "3&amp;5" in SVG text
 
 from refimpl.parallel.pipeline.actions import Action, Schedule, step_label
 from refimpl.parallel.pipeline.simulate import Timeline
@@ -111,7 +110,8 @@ def render_svg(timeline: Timeline, cell: int = 22, row: int = 26) -> str:
     width = left + int(float(timeline.makespan * scale)) + 20
     height = top + row * schedule.pp + 30
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" font-size="11">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="monospace" font-size="11">',
         f'<text x="{left}" y="18">{schedule.name}: pp={schedule.pp}, micro-batches={schedule.micro_batches}, '
         f"makespan={float(timeline.makespan):g}, bubble={float(timeline.bubble_fraction):.3f}</text>",
     ]
@@ -123,7 +123,8 @@ def render_svg(timeline: Timeline, cell: int = 22, row: int = 26) -> str:
         offset = 0.0
         for share, fill in bands:
             h = (row - 2) * share
-            out.append(f'<rect x="{x:.1f}" y="{y + offset:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}" stroke="#333" stroke-width="0.5"/>')
+            out.append(f'<rect x="{x:.1f}" y="{y + offset:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}" '
+                       'stroke="#333" stroke-width="0.5"/>')
             offset += h
         out.append(f'<text x="{x + w / 2:.1f}" y="{y + row * 0.6:.1f}" text-anchor="middle">{escape(label)}</text>')
     legend = "F forward, B backward, I input grad, W weight grad; darker: second stage / direction 1"
@@ -139,7 +140,7 @@ _LANE_COLOURS = {("compute", "F"): "#8fb9e8", ("compute", "B"): "#9fd8a4", ("com
 
 def step_lanes(events) -> list:
     """(lane title, [(start, end, label, fill)]) from (lane, label, start, end) events (simulate.Segment
-    fields, or overlap.Link events; a label starts with its action: F3, B1): the compute lane, one
+    fields, or pacing.Pacing events; a label starts with its action: F3, B1): the compute lane, one
     lane of all-to-alls in flight per action (the F's and the B's overlap in time), the waits."""
     events = list(events)
 
@@ -194,10 +195,10 @@ def render_lanes_svg(title: str, groups, width: int = 900, row: int = 24, unit: 
 def render_png(timeline: Timeline, path: str) -> None:
     """Draw the timeline with matplotlib into `path` (needs `pip install matplotlib`)."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - matplotlib is optional (PNG output only)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib is optional
     except ImportError:
         raise ValueError("PNG output needs matplotlib (pip install matplotlib); --render svg needs nothing") from None
     schedule = timeline.schedule
@@ -205,13 +206,15 @@ def render_png(timeline: Timeline, path: str) -> None:
     for rank, start, end, bands, label in _boxes(timeline):
         offset = 0.0
         for share, fill in bands:
-            ax.broken_barh([(float(start), float(end - start))], (rank + offset - 0.45, 0.9 * share), facecolors=fill, edgecolor="#333", linewidth=0.4)
+            ax.broken_barh([(float(start), float(end - start))], (rank + offset - 0.45, 0.9 * share),
+                           facecolors=fill, edgecolor="#333", linewidth=0.4)
             offset += 0.9 * share
         ax.text(float(start + end) / 2, rank, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(schedule.pp), [f"rank {r}" for r in range(schedule.pp)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
-    ax.set_title(f"{schedule.name}: pp={schedule.pp}, m={schedule.micro_batches}, bubble {float(timeline.bubble_fraction):.3f}")
+    ax.set_title(f"{schedule.name}: pp={schedule.pp}, m={schedule.micro_batches}, "
+                 f"bubble {float(timeline.bubble_fraction):.3f}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

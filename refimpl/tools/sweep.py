@@ -107,7 +107,8 @@ def draw_flags(world_size: int, choose, pipeline: bool = True, schedules=None) -
         if zero == 3:
             flags += ["--prefetch", choose("prefetch", ["0", "500", "1MB"]),
                       "--param-threshold", choose("param_threshold", [0, 17])]
-        checkpoint = choose("checkpoint", ["none", "sqrt", "every:2", "revolve:1", "revolve:2"]) if model == "gpt" else "none"
+        plans = ["none", "sqrt", "every:2", "revolve:1", "revolve:2"]
+        checkpoint = choose("checkpoint", plans) if model == "gpt" else "none"
         n_layer = choose("n_layer_checkpointed", [4, 5]) if checkpoint != "none" else choose("n_layer", [1, 2, 3])
         flags += ["--n-layer", n_layer, "--checkpoint", checkpoint]
     if model == "gpt":

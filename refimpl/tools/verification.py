@@ -38,17 +38,15 @@ import math
 
 import numpy as np
 
-from refimpl.tools.runtime import preflight
+from refimpl.local_trainer import LocalTrainer
+from refimpl.protocols import Verifiable, missing
 from refimpl.tools.compare import TOLERANCES, Comparison, compare_step
 from refimpl.tools.compare_mixed import compare_mixed_step, mixed_tolerance, partial_gradient_magnitudes, state_by_name
-from refimpl.tools.runtime.agreement import check_same_run
 from refimpl.tools.console import log
-from refimpl.tools.runtime import watchdog
 from refimpl.tools.plugin import load_function
-from refimpl.protocols import Verifiable, missing
-from refimpl.local_trainer import LocalTrainer
 from refimpl.tools.run import build_model, build_optimizer, build_task, make_trainer
-
+from refimpl.tools.runtime import preflight, watchdog
+from refimpl.tools.runtime.agreement import check_same_run
 
 # -- the trainer under test ----------------------------------------------------------------------
 
@@ -196,8 +194,8 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
             ref = {"loss": ref_loss, "grads": reference.last_grads, "params": reference.full_parameters(),
                    "skipped": _skipped(reference) > skipped_before}
             if mixed:
-                c = compare_mixed_step(step, ours, ref, state_before, reference.optimizer, tol, magnitudes, cfg.clip > 0,
-                                       scale)
+                c = compare_mixed_step(step, ours, ref, state_before, reference.optimizer, tol, magnitudes,
+                                       cfg.clip > 0, scale)
             else:
                 c = compare_step(step, ours, ref, rtol, atol)
             total = total.merge(c)
@@ -214,7 +212,8 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         result = {"ok": total.ok, "max_abs_diff": total.max_abs_diff, "max_rel_diff": total.max_rel_diff,
                   "tolerance_used": total.tolerance_used, "worst_name": total.worst_name,
                   "problems": total.problems, "steps": cfg.steps, "world_size": world.size,
-                  "rtol": None if mixed else rtol, "atol": None if mixed else atol, "trainer": type(trainer).__name__, **trainer.report(),
+                  "rtol": None if mixed else rtol, "atol": None if mixed else atol,
+                  "trainer": type(trainer).__name__, **trainer.report(),
                   "reference_skipped_steps": _skipped(reference), "per_step": per_step}
         if mixed:
             result["mixed_tolerance"] = tol

@@ -9,7 +9,7 @@ from refimpl.parallel.mesh import Mesh
 from refimpl.parallel.pipeline import build
 from refimpl.parallel.pipeline.stage import stage_sizes
 
-from . import Wrong, shown, plain
+from . import Wrong, plain, shown
 
 
 class _World:
@@ -81,7 +81,8 @@ def check_mesh_coordinates(mesh_coordinates) -> None:
             continue
         for order in permutations(megatron):  # a whole table in another order: name that order
             if order != megatron and got == _numbering(order, dp, pp, tp):
-                old = " (the old dp x pp layout, stage fastest)" if tp == 1 and order.index("pp") > order.index("dp") else ""
+                old_layout = tp == 1 and order.index("pp") > order.index("dp")
+                old = " (the old dp x pp layout, stage fastest)" if old_layout else ""
                 raise Wrong(f"{shape}: you numbered the ranks {_formula(order, dp, pp, tp)}, axes slowest to fastest "
                             f"{_slowest_to_fastest(order, dp, pp, tp)}{old}; refimpl uses Megatron-LM's order, "
                             f"tensor parallel fastest, then data parallel, pipeline slowest: "

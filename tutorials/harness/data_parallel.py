@@ -12,7 +12,7 @@ from refimpl.nn import functional as F
 from refimpl.objective import count_targets, split_batch
 from refimpl.parallel.data_parallel import assign_buckets as library_assign_buckets
 
-from . import Wrong, expect_close, shown, plain
+from . import Wrong, expect_close, plain, shown
 
 
 def check_rank_micro_batches(rank_micro_batches) -> None:

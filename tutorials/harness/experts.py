@@ -32,8 +32,7 @@ import numpy as np
 from refimpl.nn.experts import route
 from refimpl.parallel import ring
 
-from . import Wrong, shown, plain
-from . import tensor_parallel
+from . import Wrong, plain, shown, tensor_parallel
 from .tensor_parallel import ThreadComm
 
 # ------------------------------------------------------------------------------------------------

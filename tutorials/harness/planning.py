@@ -11,11 +11,11 @@ dp, ...): when it equals one of them, the message names it.
 
 from __future__ import annotations
 
+from refimpl.memory import PRECISIONS, STAGE_FORMULAS
 from refimpl.tools.cluster.collectives import Group, Links
 from refimpl.tools.cluster.hardware import PRESETS
 from refimpl.tools.cluster.model import EFFICIENCY, Run, matmul_parameters, memory_breakdown, parameters, predict
 from refimpl.tools.cluster.pipeline import simulate_step
-from refimpl.memory import PRECISIONS, STAGE_FORMULAS
 
 from . import Wrong, shown
 
@@ -251,7 +251,8 @@ def _time_variants(run: Run, cluster) -> dict:
         "left out the attention core's 12·L·h·s FLOPs per token": f(run, cluster, attention=False),
         "counted every parameter; the embedding's lookup, biases and layer norms multiply nothing (N: the blocks' "
         "12·L·h² and the head's V·h)": f(run, cluster, all_params=True),
-        f"used the peak FLOP/s; GEMMs reach EFFICIENCY.gemm = {EFFICIENCY.gemm} of it": f(run, cluster, efficiency=False),
+        f"used the peak FLOP/s; GEMMs reach EFFICIENCY.gemm = {EFFICIENCY.gemm} of it":
+            f(run, cluster, efficiency=False),
     }
     return out
 

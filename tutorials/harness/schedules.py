@@ -137,8 +137,9 @@ def check_interleaved_bubble(interleaved_bubble) -> None:
                             continue
                     except (TypeError, ValueError):
                         pass
-                    head = (f"pp={pp}, m={m}, v={v} chunks, costs F={f}, B={b} per rank's share: the simulator measures "
-                            f"a bubble fraction of {expected} = {float(expected):.4f}; you said {plain(got)}")
+                    head = (f"pp={pp}, m={m}, v={v} chunks, costs F={f}, B={b} per rank's share: "
+                            f"the simulator measures a bubble fraction of {expected} = {float(expected):.4f}; "
+                            f"you said {plain(got)}")
                     for wrong, why in [(Fraction(pp - 1, m + pp - 1), "that is 1F1B's, as if the chunks changed "
                                         "nothing"),
                                        (Fraction(pp - 1, v * (m + pp - 1)), "dividing 1F1B's fraction by v divides "

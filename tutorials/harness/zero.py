@@ -10,7 +10,7 @@ from refimpl.autograd import Parameter
 from refimpl.optim import AdamW
 from refimpl.parallel.zero.flat import FlatGroup
 
-from . import Wrong, shown, plain
+from . import Wrong, plain, shown
 
 
 def check_model_state_bytes(model_state_bytes) -> None:
@@ -30,7 +30,7 @@ def check_shard_bounds(shard_bounds) -> None:
     """Check: a rank's shard of a padded flat buffer."""
     for sizes in [(6,), (3, 4), (5, 1, 7), (1,)]:
         for n in (1, 2, 3, 4, 8):
-            params = [("p%d" % i, Parameter(np.zeros(s))) for i, s in enumerate(sizes)]
+            params = [(f"p{i}", Parameter(np.zeros(s))) for i, s in enumerate(sizes)]
             for rank in range(n):
                 group = FlatGroup(0, params, shards=n, rank=rank)
                 expected = (group.length, group.start, group.stop)
@@ -83,14 +83,16 @@ def check_zero3_bytes(zero3_bytes) -> None:
         for p, g, k in [(4, 4, 8), (2, 2, 12)]:
             for n in (1, 2, 3, 4, 5, 7, 8, 64):
                 # What refimpl allocates: one FlatGroup per module, each rank holding its block of L/N.
-                blocks = [FlatGroup(0, [("w", Parameter(np.zeros(size)))], shards=n, rank=n - 1).block for size in sizes]
+                blocks = [FlatGroup(0, [("w", Parameter(np.zeros(size)))], shards=n, rank=n - 1).block
+                          for size in sizes]
                 expected = (p + g + k) * sum(blocks)
                 got = zero3_bytes(list(sizes), n, p, g, k)
                 if got is not None and not isinstance(got, (list, tuple, dict, str)) and abs(got - expected) < 1e-9:
                     continue
                 padded = n * sum(blocks)
                 head = (f"{what} (Ψ = {psi:,} in {len(sizes)} modules), N={n}, P={p}, G={g}, K={k}: every rank "
-                        f"holds {expected:,} bytes, (P+G+K)·Ψ′/N with the padded Ψ′ = {padded:,}; you said {plain(got)}")
+                        f"holds {expected:,} bytes, (P+G+K)·Ψ′/N with the padded Ψ′ = {padded:,}; "
+                        f"you said {plain(got)}")
                 reasons = []
                 if got == (p + g + k) * psi / n:
                     reasons.append("That is the formula at Ψ: each module's buffer is padded to a multiple of N, "

@@ -57,9 +57,9 @@ Model answer to the question (measure and explain).
 K + ⌈n/K⌉ is an integer, min f = ⌈2√n⌉ − 1, reached at K = ⌈√n⌉ (for n ≤ 40 the measured
 minimum over K always equals ⌈2√n⌉ − 1, and sqrt's K is always a minimiser). But f is flat
 near its minimum, and sqrt's K is often not the largest minimiser: for 43 of n = 1 … 64 a larger K
-peaks as low, and each extra layer in the recorded segment saves one recomputation. n = 7: sqrt (K = 3) and every:4 both peak at 5, with 4 and 3 extra forwards; n = 21:
-K = 5 and K = 7 both peak at 9, with 16 and 14. So the cheapest plan at the lowest peak is the
-largest K with ⌈n/K⌉ + K = ⌈2√n⌉, which exercise 4 finds.
+peaks as low, and each extra layer in the recorded segment saves one recomputation. n = 7: sqrt (K = 3) and every:4
+both peak at 5, with 4 and 3 extra forwards; n = 21: K = 5 and K = 7 both peak at 9, with 16 and 14. So the cheapest
+plan at the lowest peak is the largest K with ⌈n/K⌉ + K = ⌈2√n⌉, which exercise 4 finds.
 (b) Part 4's GPT, one step: none 6,418,432 bytes; every:1 1,128,448; every:2 1,785,856; sqrt
 (every:3) 2,541,568; every:4 3,297,280; every:8 6,451,200. Each block input is A = 32,768 bytes, and
 one more recorded block costs 657,408 ≈ 20A: a recorded block saves R ≈ 20 inputs' worth. So the

@@ -54,12 +54,12 @@ def tp_allreduce_bytes(n_layer, tokens, width, t, itemsize, first, last):
 ANSWER = """
 Model answer to the question (measure and explain).
 
-(a) A parameter's gradient is a sum over the tokens that used it. Without sequence parallelism ln_f runs on
-the whole (B, T, C) activation on every rank: each rank sums over all N tokens and holds one process's
-gradient (differences at rounding level, below 10⁻¹⁷, before and after backward). With it, rank r's ln_f sees only tokens r·T/t ... (r+1)·T/t − 1
-of each sequence: its part is off (7.8e-3, 7.0e-3) and only the group's sum, which shard_gpt's hook
-all-reduces, covers every token (again at rounding level). (b) The ranks' tokens are disjoint and make up the batch, so the
-parts add up; an average would be t times too small. Without sequence parallelism an all-reduce (sum) would
+(a) A parameter's gradient is a sum over the tokens that used it. Without sequence parallelism ln_f runs on the whole
+(B, T, C) activation on every rank: each rank sums over all N tokens and holds one process's gradient (differences at
+rounding level, below 10⁻¹⁷, before and after backward). With it, rank r's ln_f sees only tokens r·T/t ...
+(r+1)·T/t − 1 of each sequence: its part is off (7.8e-3, 7.0e-3) and only the group's sum, which shard_gpt's hook
+all-reduces, covers every token (again at rounding level). (b) The ranks' tokens are disjoint and make up the batch,
+so the parts add up; an average would be t times too small. Without sequence parallelism an all-reduce (sum) would
 multiply the already whole gradient by t. verify (rtol 1e-10 against one process) reports both at once.
 (c) Nothing re-synchronises the copies: they stay equal because every rank starts from the same seed and
 applies the same deterministic update to bit-identical gradients (an all-reduce hands every rank the same

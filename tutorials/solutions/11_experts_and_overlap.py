@@ -2,7 +2,6 @@
 model answer to its question (at the end)."""
 
 import numpy as np
-
 from harness.experts import is_alltoall
 
 

@@ -1,8 +1,8 @@
 """Reference solutions to tutorial 12's exercises (REFIMPL_TUTORIAL_SOLUTIONS=1 selects them), and a
 model answer to its question (at the end)."""
 
-from refimpl.tools.cluster.model import EFFICIENCY
 from refimpl.memory import PRECISIONS
+from refimpl.tools.cluster.model import EFFICIENCY
 
 
 def model_state_bytes(run, first, last):

@@ -35,8 +35,9 @@ returns a `hardware.Cluster` whose efficiencies are 1.0 (a measured rate is alre
                          point-to-point: ping-pong of Send/Recv (Comm.send, Comm.recv) between rank
                            pairs (0, 1), (2, 3), ...: one-way time = median round trip / 2;
                          all-reduce: Comm.allreduce (MPI's built-in, through refimpl's wrapper) on g
-                           ranks (the median call of the slowest rank), whose ring model (collectives.py) is 2(g − 1)(α + n/(gβ)): the
-                           fitted line t = A + S·n gives α = A / (2(g − 1)), β = 2(g − 1) / (g·S).
+                           ranks (the median call of the slowest rank), whose ring model (collectives.py)
+                           is 2(g − 1)(α + n/(gβ)): the fitted line t = A + S·n gives α = A / (2(g − 1)),
+                           β = 2(g − 1) / (g·S).
                        The cluster file stores the all-reduce's α and β (the collectives are most
                        of refimpl's traffic; the point-to-point fit is reported beside it), for both
                        the intra- and the inter-node link (one machine has only one kind).
@@ -366,8 +367,8 @@ def cpu_name() -> str:
 def calibrate(world=None, quick: bool = False, width: int = DEFAULT_WIDTH, tokens: int = DEFAULT_TOKENS,
               name: str = "local") -> Calibration:
     """Measure every rate (module docstring) on every rank of `world` at once; the Cluster they make."""
-    from refimpl.tools.runtime import threads  # noqa: PLC0415
     from refimpl.parallel.comm import get_world  # noqa: PLC0415
+    from refimpl.tools.runtime import threads  # noqa: PLC0415
 
     world = world or get_world()
     began = time.perf_counter()
@@ -410,8 +411,8 @@ def calibrate(world=None, quick: bool = False, width: int = DEFAULT_WIDTH, token
         name=name, peak_flops=rates["gemm_float32"], peak_flops_fp32=rates["gemm_float32"],
         memory_bandwidth=rates["memory_bandwidth"], memory_bytes=1, gpus_per_node=1, intra_bandwidth=1.0,
         intra_latency=0.0, inter_bandwidth=1.0, inter_latency=0.0, op_overhead=rates["op_overhead"],
-        peak_flops_fp64=rates["gemm_float64"], efficiency={"gemm": 1.0, "memory": 1.0, "network": 1.0,
-                                                           "attention": rates["attention_float32"] / rates["gemm_float32"]})
+        peak_flops_fp64=rates["gemm_float64"],
+        efficiency={"gemm": 1.0, "memory": 1.0, "network": 1.0, "attention": ratio})
     world.barrier()
     rates["block_seconds"] = _mean_over_ranks(world, {"t": block_seconds(width, tokens, repeats=reps,
                                                                           min_seconds=window)})["t"]

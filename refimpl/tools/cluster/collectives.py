@@ -39,7 +39,7 @@ class Group:
     per_node: int
 
     @staticmethod
-    def of(size: int, stride: int, cluster: Cluster) -> "Group":
+    def of(size: int, stride: int, cluster: Cluster) -> Group:
         """The group of `size` ranks whose global ranks are `stride` apart (mesh.py's layout)."""
         per_node = max(1, min(size, cluster.gpus_per_node // stride)) if stride <= cluster.gpus_per_node else 1
         return Group(size, per_node)
@@ -55,7 +55,7 @@ class Links:
     beta_out: float
 
     @staticmethod
-    def of(cluster: Cluster, efficiency: float) -> "Links":
+    def of(cluster: Cluster, efficiency: float) -> Links:
         return Links(cluster.intra_latency, cluster.intra_bandwidth * efficiency,
                      cluster.inter_latency, cluster.inter_bandwidth * efficiency)
 

@@ -65,8 +65,8 @@ class Cluster:
             value = getattr(self, f.name)
             if f.name in ("name", "source", "efficiency"):
                 continue
-            if not isinstance(value, (int, float)) or value != value or value < 0 or (value == 0 and f.name not in
-                                                                                       ("op_overhead", "intra_latency", "inter_latency", "peak_flops_fp64")):
+            may_be_zero = f.name in ("op_overhead", "intra_latency", "inter_latency", "peak_flops_fp64")
+            if not isinstance(value, (int, float)) or value != value or value < 0 or (value == 0 and not may_be_zero):
                 raise ValueError(f"cluster {self.name!r}: {f.name} must be a positive number; got {value!r}")
         if int(self.gpus_per_node) != self.gpus_per_node:
             raise ValueError(f"cluster {self.name!r}: gpus_per_node must be a whole number; got {self.gpus_per_node}")

@@ -77,7 +77,8 @@ def candidates(base: Run, gpus: int, cluster: Cluster):
     for tp in tps:
         for pp in (p for p in range(1, L + 1) if L % p == 0 and gpus % (tp * p) == 0):
             dp = gpus // (tp * pp)
-            schedules = [("1f1b", None)] if pp == 1 else [(s, 2 if s == "interleaved" else None) for s in PLAN_SCHEDULES]
+            schedules = ([("1f1b", None)] if pp == 1
+                         else [(s, 2 if s == "interleaved" else None) for s in PLAN_SCHEDULES])
             for mbs in MICRO_BATCH_SIZES:
                 if B % (dp * mbs):
                     continue

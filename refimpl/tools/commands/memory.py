@@ -19,9 +19,19 @@ from __future__ import annotations
 import argparse
 
 from refimpl import backend
+from refimpl.memory import (
+    COMM_FORMULAS,
+    STAGE_FORMULAS,
+    STAGE_NAMES,
+    bytes_per_parameter,
+    communication_elements,
+    format_gb,
+    model_state_bytes,
+    paper_table,
+    parse_bytes,
+    parse_count,
+)
 from refimpl.tools.console import emit_json, log
-from refimpl.memory import (COMM_FORMULAS, STAGE_FORMULAS, STAGE_NAMES, bytes_per_parameter, communication_elements,
-                            format_gb, model_state_bytes, paper_table, parse_bytes, parse_count)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from refimpl.memory import format_bytes, parse_count
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.model import Run
 from refimpl.tools.cluster.plan import plan, shape_for, why_slower
-from refimpl.tools.flags import add_model_arguments, describe_run
 from refimpl.tools.console import emit_json, log
-from refimpl.memory import format_bytes, parse_count
+from refimpl.tools.flags import add_model_arguments, describe_run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,13 +77,14 @@ def run(args) -> int:
     print(f"searched {result.searched} configurations: {result.fitting} fit in "
           f"{format_bytes(cluster.memory_bytes)}; the best {len(result.best)} by simulated step time:")
     print()
-    header = f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ZeRO':>4} {'recompute':<9} {'schedule':<11} {'mbs':>3} {'SP':>3} " \
-             f"{'memory':>9} {'step s':>8} {'MFU':>6}"
+    header = f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ZeRO':>4} {'recompute':<9} {'schedule':<11} {'mbs':>3} " \
+             f"{'SP':>3} {'memory':>9} {'step s':>8} {'MFU':>6}"
     print(header)
     for i, p in enumerate(result.best, 1):
         r = p.run
         print(f"{i:>2} {r.dp:>4} {r.tp:>3} {r.pp:>3} {r.zero:>4} {r.checkpoint:<9} "
-              f"{(r.schedule if r.pp > 1 else '-'):<11} {r.micro_batch_size:>3} {('yes' if r.sequence_parallel else '-'):>3} "
+              f"{(r.schedule if r.pp > 1 else '-'):<11} {r.micro_batch_size:>3} "
+              f"{('yes' if r.sequence_parallel else '-'):>3} "
               f"{format_bytes(p.memory_per_gpu_bytes):>9} {p.step_seconds:8.3f} {100 * p.mfu:5.1f}%")
     print()
     for i, p in enumerate(result.best[1:], 2):
@@ -123,9 +124,9 @@ def _flags(r: Run) -> str:
 def draw(result, cluster, path: str) -> None:
     """Every candidate searched: memory per GPU against estimated step time; the limit; the best."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - matplotlib is optional (--plot only)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib is optional
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
+from refimpl.memory import format_bytes
+from refimpl.parallel.pipeline.schedules import SCHEDULES
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.model import CHECKPOINTS, Prediction, Run, predict
 from refimpl.tools.console import emit_json
 from refimpl.tools.flags import add_model_arguments, describe_run
-from refimpl.memory import format_bytes
-from refimpl.parallel.pipeline.schedules import SCHEDULES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--checkpoint", choices=CHECKPOINTS, default="none",
-                   help="activation recomputation: none, selective (attention cores), full (every block) (default none)")
+                   help="activation recomputation: none, selective (attention cores), full (every block) "
+                        "(default none)")
     p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="pipeline schedule (default 1f1b)")
     p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: sequence parallelism")

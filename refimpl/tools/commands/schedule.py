@@ -29,16 +29,16 @@ import argparse
 import json
 from fractions import Fraction
 
-from refimpl.tools.console import emit_json, log
 from refimpl.parallel.pipeline.actions import Overlapped, Schedule, format_rank
 from refimpl.parallel.pipeline.formulas import ClosedForm, closed_form
+from refimpl.parallel.pipeline.schedules import SCHEDULES, build
+from refimpl.parallel.pipeline.simulate import Costs, Timeline, simulate
+from refimpl.parallel.pipeline.validate import Report, validate
+from refimpl.tools.console import emit_json, log
 from refimpl.tools.flags import schedule_name
 from refimpl.tools.plugin import build_schedule
 from refimpl.tools.plugin import is_spec as is_plugin
 from refimpl.tools.render import render_png, render_svg, render_text, render_trace
-from refimpl.parallel.pipeline.schedules import SCHEDULES, build
-from refimpl.parallel.pipeline.simulate import Costs, Timeline, simulate
-from refimpl.parallel.pipeline.validate import Report, validate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,7 +163,8 @@ def summary(schedule: Schedule, report: Report, timeline: Timeline, closed: Clos
 def rank_table(schedule: Schedule, timeline: Timeline, closed: ClosedForm, markdown: bool) -> str:
     simulated_key = "steady-state idle" if closed.accounting == "steady-state" else "idle"
     baseline = "1F1B idle" if closed.formula == OWN else f"closed form ({simulated_key})"
-    header = ["rank", "stages", "busy", "idle", "steady-state idle", baseline, "peak act. (free at W)", "peak act. (free at I)"]
+    header = ["rank", "stages", "busy", "idle", "steady-state idle", baseline,
+              "peak act. (free at W)", "peak act. (free at I)"]
     rows = []
     for r in range(schedule.pp):
         rows.append(
@@ -252,7 +253,8 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
     for name in [*SCHEDULES, *dict.fromkeys(own)]:
         chunks = args.chunks if name == "interleaved" or is_plugin(name) else None
         try:
-            schedule, report, timeline, closed = analyse(name, args.pp, args.micro_batches, chunks, costs, args.costs_per_action, args.latency)
+            schedule, report, timeline, closed = analyse(name, args.pp, args.micro_batches, chunks, costs,
+                                                         args.costs_per_action, args.latency)
         except ValueError as exc:
             rows.append([name, "-", "-", "-", f"n/a: {exc}", *["-"] * 6])
             results.append({"schedule": name, "error": str(exc)})
@@ -261,6 +263,8 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
         results.append({k: v for k, v in info.items() if k != "placement"})
         idle = sorted(set(timeline.idle))
         steady = sorted(set(timeline.steady_state_idle))
+        accounting = "(" + closed.accounting + ")" if closed.accounting != "iteration" else ""
+        stages_per_rank = [len(schedule.placement.stages_of(r)) for r in range(args.pp)]
         rows.append(
             [
                 name,
@@ -270,11 +274,11 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
                 ",".join(_fmt(x) for x in timeline.idle) if len(idle) > 1 else _fmt(idle[0]),
                 ",".join(_fmt(x) for x in timeline.steady_state_idle) if len(steady) > 1 else _fmt(steady[0]),
                 f"1F1B: {_fmt(closed.idle)}" if closed.formula == OWN else
-                f"{_fmt(closed.idle)} {'(' + closed.accounting + ')' if closed.accounting != 'iteration' else ''}".strip()
+                f"{_fmt(closed.idle)} {accounting}".strip()
                 + ("" if closed.exact else " ~"),
                 str(max(timeline.peak_activations)),
                 _fmt(max(Fraction(x * args.pp, schedule.num_stages) for x in timeline.peak_activations)),
-                _fmt(max(Fraction(len(schedule.placement.stages_of(r)) * args.pp, schedule.num_stages) for r in range(args.pp))),
+                _fmt(max(Fraction(n * args.pp, schedule.num_stages) for n in stages_per_rank)),
                 str(report.rendezvous_lookahead),
             ]
         )
@@ -282,7 +286,8 @@ def compare(args, costs: Costs) -> tuple[str, list[dict]]:
 
 
 COMPARE_LEGEND = (
-    "makespan and idle in the units of --costs (per 1/pp of the model); bubble = idle per rank / makespan (total idle / (pp * makespan)); "
+    "makespan and idle in the units of --costs (per 1/pp of the model); "
+    "bubble = idle per rank / makespan (total idle / (pp * makespan)); "
     "closed form: published idle per rank ('~' = not exact for these costs, see docs); "
     "peak act. = most (stage, micro-batch) activations held by one rank (freed at W); "
     "act. memory and params in units of one 1F1B rank's (1/pp of the model); "
@@ -318,7 +323,8 @@ def run(args) -> int:
         return 0
     if name is None:
         raise ValueError("name a schedule (e.g. 'schedule 1f1b --pp 4 --micro-batches 8') or pass --compare")
-    schedule, report, timeline, closed = analyse(name, args.pp, args.micro_batches, args.chunks, costs, args.costs_per_action, args.latency)
+    schedule, report, timeline, closed = analyse(name, args.pp, args.micro_batches, args.chunks, costs,
+                                                 args.costs_per_action, args.latency)
     render, out = args.render, args.out
     if args.png:
         render, out = "png", args.png
@@ -338,7 +344,8 @@ def run(args) -> int:
         info = summary(schedule, report, timeline, closed)
         info["actions"] = [[action_json(step) for step in steps] for steps in schedule.ranks]
         log(
-            f"{schedule.name}: makespan {_fmt(timeline.makespan)}, bubble fraction {float(timeline.bubble_fraction):.4f}, "
+            f"{schedule.name}: makespan {_fmt(timeline.makespan)}, "
+            f"bubble fraction {float(timeline.bubble_fraction):.4f}, "
             f"idle per rank {[_fmt(x) for x in timeline.idle]}"
         )
         emit_json(info)

@@ -19,7 +19,6 @@ from refimpl.tools.console import emit_json, log
 from refimpl.tools.flags import add_run_arguments, config_from_args
 from refimpl.tools.run import TrainingDiverged, get_world, train
 
-
 add_arguments = add_run_arguments
 
 
@@ -47,7 +46,10 @@ def run(args) -> int:
     summary.pop("_model")
     if world.rank != 0:
         return 0
-    speed = f"{summary['tokens_per_s']:.0f} tokens/s" if cfg.model == "gpt" else f"{summary['samples_per_s']:.0f} samples/s"
+    if cfg.model == "gpt":
+        speed = f"{summary['tokens_per_s']:.0f} tokens/s"
+    else:
+        speed = f"{summary['samples_per_s']:.0f} samples/s"
     ran = cfg.steps - summary["start_step"]
     resumed = f" (steps {summary['start_step'] + 1}-{cfg.steps}, resumed)" if summary["start_step"] else ""
     log(f"done: {ran} steps{resumed} in {summary['seconds']:.1f}s ({speed}); final loss {summary['final_loss']:.4f}, "

@@ -30,12 +30,12 @@ import shlex
 import numpy as np
 
 from refimpl import backend
-from refimpl.tools.flags import add_run_arguments, config_from_args
 from refimpl.tools.console import emit_json, log
+from refimpl.tools.flags import add_run_arguments, config_from_args
 from refimpl.tools.plugin import is_spec as is_plugin
 from refimpl.tools.plugin import load_schedule_generator
-from refimpl.tools.sweep import schedule_options, draw_flags, numpy_chooser
 from refimpl.tools.run import get_world
+from refimpl.tools.sweep import draw_flags, numpy_chooser, schedule_options
 from refimpl.tools.verification import load_trainer_factory, verify_config
 
 DEFAULT_STEPS = 3
@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--atol", type=float, help="absolute tolerance (float64 1e-12, float32 1e-6)")
     p.add_argument("--sweep", type=int, metavar="N",
                    help="verify N configurations drawn for this world size (refimpl/tools/sweep.py)")
-    p.add_argument("--sweep-seed", type=int, metavar="S", help="seed of the sweep's draws (default: a new one, printed)")
+    p.add_argument("--sweep-seed", type=int, metavar="S",
+                   help="seed of the sweep's draws (default: a new one, printed)")
     p.add_argument("--trainer", metavar="MODULE:FUNCTION",
                    help="verify your own trainer: FUNCTION(cfg, model, world) -> trainer, from a module or a .py file")
     p.add_argument("--inject-overflow", type=int, metavar="STEP",
@@ -146,7 +147,8 @@ def run_sweep(args) -> int:
             if not result["ok"]:
                 for problem in result["problems"][:5]:
                     log(f"    {problem}")
-                log(f"    reproduce: {command_line(world.size, flags + (['--trainer', args.trainer] if args.trainer else []))}")
+                trainer_flags = ["--trainer", args.trainer] if args.trainer else []
+                log(f"    reproduce: {command_line(world.size, flags + trainer_flags)}")
             results.append({"flags": flags, "ok": result["ok"], "tolerance_used": result["tolerance_used"],
                             "problems": result["problems"]})
     ok = all(r["ok"] for r in results) if world.rank == 0 else True

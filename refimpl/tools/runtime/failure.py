@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError,)
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 USER_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-_current: "ThreadBudget | None" = None
+_current: ThreadBudget | None = None
 
 
 @dataclass(frozen=True)

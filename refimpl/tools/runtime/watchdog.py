@@ -32,9 +32,10 @@ How it works:
 
 Bound: a hang is reported at most timeout + RECHECK_S + ANSWER_S + POLL_S + LOWER_RANK_FIRST_S
 (< timeout + 10 s) after the last moment any rank made progress. When several ranks see the hang,
-the lowest one reports it and the others give it a second to do so. Cost: setting two attributes around each blocking call,
-and a thread that wakes twice a second to probe for a message (benchmarks/bench_watchdog.py
-measures it). What it cannot do: see docs/cluster.md ("What MPI cannot guarantee").
+the lowest one reports it and the others give it a second to do so. Cost: setting two attributes
+around each blocking call, and a thread that wakes twice a second to probe for a message
+(benchmarks/bench_watchdog.py measures it). What it cannot do: see docs/cluster.md ("What MPI
+cannot guarantee").
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ QUERY, REPLY, ERROR = 1, 2, 3  # tags on the watchdog's private communicator
 SAME_ERROR_S = 1.0  # how long a failing rank waits to hear whether every rank failed
 
 _REFIMPL_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_active: "Watchdog | None" = None
+_active: Watchdog | None = None
 
 
 def progress() -> None:
@@ -65,7 +66,7 @@ def progress() -> None:
         _active.progress_at = time.monotonic()
 
 
-def active() -> "Watchdog | None":
+def active() -> Watchdog | None:
     """The watchdog of this process, if an MPI world with more than one rank started one."""
     return _active
 
@@ -89,7 +90,7 @@ class Watchdog:
 
     # -- the main thread's side ----------------------------------------------------------------------
 
-    def waiting(self, comm, kind: str, peer: int | None = None) -> "Watchdog":
+    def waiting(self, comm, kind: str, peer: int | None = None) -> Watchdog:
         """`with watchdog.waiting(comm, "allreduce"):` around a blocking MPI call."""
         self._next = (comm, kind, peer)
         return self
@@ -105,7 +106,7 @@ class Watchdog:
         """Seconds without progress before a wait is a hang; 0 turns the watchdog off."""
         self.timeout_s = check_timeout(seconds)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         global _active
         _active = self
         self._thread.start()

@@ -58,11 +58,11 @@ import tempfile
 
 import numpy as np
 
+from refimpl.protocols import Checkpointable, missing
 from refimpl.tools.console import log
 from refimpl.tools.runtime import watchdog
 from refimpl.tools.runtime.failure import AgreedError, agree
 from refimpl.tools.saved_runs import fingerprint, safe_files
-from refimpl.protocols import Checkpointable, missing
 
 FORMAT = "refimpl-sharded-checkpoint/2"  # /2 adds the run's fingerprint
 READABLE = (FORMAT, "refimpl-sharded-checkpoint/1")

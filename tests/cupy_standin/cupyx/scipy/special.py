@@ -2,9 +2,8 @@
 
 import math
 
-import numpy as _np
-
 import cupy as _cupy
+import numpy as _np
 
 
 def erf(x):
