@@ -65,8 +65,9 @@ ialltoallv, ibarrier, isend and irecv return a `Request`; `test()` makes progres
 `wait()` blocks until it is and returns the result array. MPI advances an outstanding operation
 only while some MPI call runs in the process, so code that overlaps communication with computation
 (DDP buckets, expert parallelism's token exchange) must call `test()` now and then. A ring
-request advances one step per successful test (an all-to-all's: one pairwise exchange). As in MPI, every rank must start collectives on a communicator in the same order, and a
-buffer must not be touched until its request completes.
+request advances one step per successful test (an all-to-all's: one pairwise exchange). As in
+MPI, every rank must start collectives on a communicator in the same order, and a buffer must not
+be touched until its request completes.
 
 The world. `get_world()` returns the world communicator, created once: a LocalComm unless the
 process runs under mpiexec (one of LAUNCHER_VARIABLES, e.g. PMI_RANK or
@@ -129,16 +130,20 @@ class Guard:
     forever. The core only says *when* something happens; the tools decide what to do about it
     (refimpl/tools/runtime/guards.py installs a failure handler, a watchdog and a thread budget):
 
-        world_created(MPI, world, local_ranks)   once, after MPI_Init, before anything else runs
+        mpi_started(MPI)                         once, right after MPI_Init, before anything can fail
+        world_created(world, local_ranks)        once, when the world communicator exists
         waiting(comm, kind, peer)                a context around every blocking MPI call
         progress()                               this rank has done something (an operation completed,
                                                  a pipeline action ran)
     """
 
-    def world_created(self, MPI, world: "MPIComm", local_ranks: int) -> None:
+    def mpi_started(self, MPI) -> None:
         pass
 
-    def waiting(self, comm: "Comm", kind: str, peer: int | None = None):
+    def world_created(self, world: MPIComm, local_ranks: int) -> None:
+        pass
+
+    def waiting(self, comm: Comm, kind: str, peer: int | None = None):
         return _NOT_WATCHED
 
     def progress(self) -> None:
@@ -167,7 +172,7 @@ def progress() -> None:
 class Counters:
     """Calls made and bytes sent, by kind of call, for one communicator (and its parents)."""
 
-    def __init__(self, parent: "Counters | None" = None):
+    def __init__(self, parent: Counters | None = None):
         self.parent = parent
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
@@ -219,7 +224,7 @@ class Request:
     communicator (one step for an MPI built-in, N - 1 or 2(N - 1) steps for a ring collective).
     """
 
-    def __init__(self, comm: "Comm", steps, result=None, kind: str = "wait"):
+    def __init__(self, comm: Comm, steps, result=None, kind: str = "wait"):
         self._comm = comm
         self.kind = kind  # what a wait on it waits for, as the watchdog reports it
         self._steps = iter(steps)
@@ -262,7 +267,7 @@ def test_all(requests) -> bool:
 class _RingLink:
     """One ring collective's view of the communicator: neighbours, a tag, what to count under."""
 
-    def __init__(self, comm: "Comm", kind: str, tag: int, module=np):
+    def __init__(self, comm: Comm, kind: str, tag: int, module=np):
         self.comm, self.kind, self.tag = comm, kind, tag
         self.module = module  # the buffers' array module: temporaries live in the same memory
         self.rank, self.size = comm.rank, comm.size
@@ -618,7 +623,7 @@ class Comm:
 
     # -- structure --------------------------------------------------------------------------------
 
-    def with_collectives(self, collectives: str) -> "Comm":
+    def with_collectives(self, collectives: str) -> Comm:
         """The same communicator and counters, running collectives of another kind."""
         other = copy.copy(self)
         other.collectives = _check_collectives(collectives)
@@ -798,7 +803,7 @@ class MPIComm(Comm):
         self.counters.record("bcast_object", 0 if self.rank == (root - 1) % self.size else 8 + data.size)
         return data.tobytes()
 
-    def split(self, color: int | None, key: int | None = None) -> "MPIComm | None":
+    def split(self, color: int | None, key: int | None = None) -> MPIComm | None:
         """Sub-communicators of the ranks with equal color, ordered by key (default: this rank).
 
         Collective: every rank calls it; a rank with color None gets None. Counters add up into ours.
@@ -915,7 +920,7 @@ class LocalComm(Comm):
         self.counters.record("bcast_object")
         return payload
 
-    def split(self, color: int | None, key: int | None = None) -> "LocalComm | None":
+    def split(self, color: int | None, key: int | None = None) -> LocalComm | None:
         if color is not None and not (isinstance(color, (int, np.integer)) and color >= 0):
             raise ValueError(f"split: color must be a non-negative integer or None, not {color!r}")
         return None if color is None else LocalComm(self.collectives, Counters(parent=self.counters))
@@ -960,10 +965,11 @@ def existing_world() -> Comm | None:
 
 def _create_mpi_world() -> MPIComm:
     MPI = _start_mpi()
+    _guard.mpi_started(MPI)
     world = MPIComm(MPI.COMM_WORLD, MPI)
     with world._waits("split by node"):
         node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
-    _guard.world_created(MPI, world, node.Get_size())
+    _guard.world_created(world, node.Get_size())
     backend.set_local_rank(node.Get_rank())  # the CuPy backend takes GPU (local rank mod GPUs)
     node.Free()
     return world
