@@ -83,14 +83,16 @@ class LocalTrainer:
         self.scaler.update(overflow)
 
     def load_mixed_state(self, masters: dict, optimizer_state: dict) -> None:
-        """Take another run's master weights, optimizer state and loss scale (Trainer.full_optimizer_state, parallel/trainer.py)."""
+        """Take another run's master weights, optimizer state and loss scale (the distributed
+        Trainer's full_optimizer_state, parallel/trainer.py)."""
         load_whole(list(self.model.named_parameters()), self.masters, self.states, masters, optimizer_state["arrays"],
                    optimizer_state["step"])
         self.scaler.load_state_dict(optimizer_state["loss_scaler"])
 
     def _record(self, grads) -> None:
         if self.record_grads:
-            self.last_grads = {name: backend.to_host(g).copy() for (name, _), g in zip(self.model.named_parameters(), grads)}
+            names = [name for name, _ in self.model.named_parameters()]
+            self.last_grads = {name: backend.to_host(g).copy() for name, g in zip(names, grads)}
 
     def full_parameters(self) -> dict:
         """{name: NumPy array} of the whole model (under mixed precision: the float32 master weights)."""

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from backend_cases import OP_CASES, assert_same, gpt_step, run_op_case
 from mpi_util import run_local, run_local_json
+
 from refimpl import backend
 from refimpl.backend import BackendError
 
@@ -78,7 +78,8 @@ def test_cupy_without_a_gpu_is_a_clear_error(monkeypatch, device_count, fragment
     assert backend.name() == "numpy"
 
 
-@pytest.mark.parametrize("command,via", [(["train", "--steps", "1"], "flag"), (["train", "--steps", "1"], "environment"),
+@pytest.mark.parametrize("command,via", [(["train", "--steps", "1"], "flag"),
+                                         (["train", "--steps", "1"], "environment"),
                                          (["verify", "--steps", "1"], "flag"), (["memory", "--model", "mlp"], "flag")])
 def test_backend_cupy_where_it_cannot_run_is_a_one_line_error(command, via):
     if backend.cupy_unavailable() is None:
@@ -177,8 +178,8 @@ TYPES = {"ndarray", "dtype", "integer", "float64", "int64", "uint8", "random.Gen
 # waiting to happen: ask backend.xp(), or add the use here with its reason.
 HOST_BY_DESIGN = {
     "backend.py": ({"array", "asarray", "frompyfunc"}, "the backend itself (erf on the host: math.erf per element)"),
-    "tools/cluster/calibrate.py": ({"add", "asarray", "float32", "full", "isfinite", "linalg.lstsq", "mean", "median", "ones",
-                              "random.default_rng", "stack", "sum", "unique", "zeros"},
+    "tools/cluster/calibrate.py": ({"add", "asarray", "float32", "full", "isfinite", "linalg.lstsq", "mean", "median",
+                                    "ones", "random.default_rng", "stack", "sum", "unique", "zeros"},
                              "calibration measures this host's NumPy engine (its rates are the NumPy backend's), and "
                              "fits its timings on the host"),
     "data.py": ({"arange", "array", "concatenate", "cos", "full", "pi", "random.default_rng", "sin", "sort", "stack",
@@ -190,8 +191,9 @@ HOST_BY_DESIGN = {
                      "initial values, the causal mask and dropout masks are made on the host, then moved"),
     "nn/models.py": ({"random.default_rng"}, "weights are drawn on the host: the same model on every backend"),
     "nn/module.py": ({"asarray"}, "load_state_dict reads host arrays"),
-    "tools/commands/tensor_parallel.py": ({"random.default_rng"}, "the measured block's input is drawn on the host, then "
-                                                            "moved with backend.asarray"),
+    "tools/commands/tensor_parallel.py": ({"random.default_rng"},
+                                          "the measured block's input is drawn on the host, then moved with "
+                                          "backend.asarray"),
     "nn/experts.py": ({"add.at", "arange", "argsort", "bincount", "cumsum", "full", "ones", "repeat",
                        "take_along_axis", "zeros"},
                       "routing is bookkeeping on the host (top-K, the sort by expert, counts, capacity): small "
@@ -205,10 +207,12 @@ HOST_BY_DESIGN = {
                                         "verification)"),
     "objective.py": ({"asarray"}, "counts the targets of a host batch"),
     "tools/verification.py": ({"inf"}, "an injected overflow"),
-    "tools/compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"}, "tolerances from host copies of the gradients"),
+    "tools/compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"},
+                               "tolerances from host copies of the gradients"),
     "tools/compare.py": ({"abs", "asarray", "divide", "inf", "isfinite", "isinf", "isnan", "max", "maximum", "where"},
                    "compares host copies"),
-    "tools/commands/verify.py": ({"random.SeedSequence", "random.default_rng"}, "a sweep draws configurations on the host"),
+    "tools/commands/verify.py": ({"random.SeedSequence", "random.default_rng"},
+                                 "a sweep draws configurations on the host"),
     "autograd/gradcheck.py": ({"abs", "allclose", "argmax", "random.default_rng", "unravel_index", "zeros"},
                               "finite differences collected on the host"),
     "parallel/comm.py": ({"add", "maximum", "minimum", "array", "cumsum", "empty", "frombuffer", "zeros"},

@@ -13,8 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refimpl.autograd import Tensor, backward, grad, saved_tensors
-from refimpl.checkpointing import (LayerCost, actions_for, checkpoint_sequential, measure_layer_cost, parse_plan,
-                                   predicted_cost, resolve_budget, revolve, simulate_chain)
+from refimpl.checkpointing import (
+    LayerCost,
+    actions_for,
+    checkpoint_sequential,
+    measure_layer_cost,
+    parse_plan,
+    predicted_cost,
+    resolve_budget,
+    revolve,
+    simulate_chain,
+)
 from refimpl.checkpointing.gpt_blocks import apply_to_gpt, current_plan, gpt_forward
 from refimpl.checkpointing.measure import count_forward_calls, measure_chain, tanh_chain
 from refimpl.checkpointing.plans import Every, NoCheckpoint, Revolve, sqrt_segment

@@ -6,8 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refimpl.autograd.saved import SavedTensorLedger
-from refimpl.memory import (MemoryLedger, OutOfMemoryBudget, bytes_per_parameter, communication_elements, format_gb,
-                            model_state_bytes, paper_table, parse_bytes, parse_count)
+from refimpl.memory import (
+    MemoryLedger,
+    OutOfMemoryBudget,
+    bytes_per_parameter,
+    communication_elements,
+    format_gb,
+    model_state_bytes,
+    paper_table,
+    parse_bytes,
+    parse_count,
+)
 
 
 def test_ledger_sums_registered_arrays_by_category_with_peaks():

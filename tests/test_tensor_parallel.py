@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from mpi_util import PROGRAMS, last_json, run_mpi
 from test_verify_drawn import verify_many
 
@@ -184,7 +183,8 @@ def test_verify_refuses_mixed_precision_with_tensor_parallelism_saying_why(capsy
 
 
 ERRORS = [
-    (["--tp", "3", "--n-head", "3", "--d-model", "12"], "mesh: pp=1 x tp=3 does not divide the world size 4; launch a multiple of 3 ranks"),
+    (["--tp", "3", "--n-head", "3", "--d-model", "12"],
+     "mesh: pp=1 x tp=3 does not divide the world size 4; launch a multiple of 3 ranks"),
     (["--tp", "2", "--n-head", "3", "--d-model", "6"],
      "--tp 2 does not divide the GPT's 3 attention heads: use a --tp that divides --n-head 3 (1, 3), "
      "or --n-head 4 with --tp 2"),

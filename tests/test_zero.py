@@ -20,7 +20,6 @@ Models: a GPT with Ψ = 702 (not a multiple of 4; units of 12 elements) and an M
 import json
 
 import pytest
-
 from mpi_util import PROGRAMS, run_local, run_local_json, run_mpi, run_mpi_json
 
 from refimpl.memory import bytes_per_parameter, model_state_bytes

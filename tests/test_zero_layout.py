@@ -10,10 +10,10 @@ from refimpl.memory import bytes_per_parameter, model_state_bytes
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
 from refimpl.optim import AdamW
+from refimpl.optim.precision import LossScaler
 from refimpl.parallel.comm import LocalComm
 from refimpl.parallel.trainer import Trainer
 from refimpl.parallel.zero.flat import FlatGroup, bucket_groups, module_units, padded_length
-from refimpl.optim.precision import LossScaler
 from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 

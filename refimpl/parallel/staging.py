@@ -86,7 +86,7 @@ class StagingRule:
         self.staged_buffers = 0  # host copies made so far (this process, every communicator)
 
     @classmethod
-    def from_environment(cls, MPI, environ=os.environ) -> "StagingRule":
+    def from_environment(cls, MPI, environ=os.environ) -> StagingRule:
         """The rule for this MPI library and environment."""
         return cls(*cuda_aware_mpi(MPI, environ))
 

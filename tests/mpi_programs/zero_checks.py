@@ -49,7 +49,8 @@ def layout(trainer) -> dict:
                 "numel": [g.numel for g in sharding.groups],
                 "largest_unit": max((units[i].group.nbytes for i in units), default=0)}
     return {"groups": [], "persistent": [], "numel": [], "largest_unit": 0,
-            "ddp_buckets": [int(f.size) for b in sharding.buckets.values() for f in b.flats] if sharding.buckets else None}
+            "ddp_buckets": [int(f.size) for b in sharding.buckets.values() for f in b.flats]
+            if sharding.buckets else None}
 
 
 def run_case(world, case: dict) -> dict:

@@ -43,8 +43,8 @@ lists both sides for one action.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Union
 
 KINDS = ("F", "B", "I", "W")
 BACKWARD_KINDS = ("B", "I")  # the backward halves that carry a gradient to the previous stage
@@ -68,7 +68,7 @@ class Action:
             raise ValueError(f"direction must be None, 0 or 1; got {self.direction!r}")
 
     @property
-    def parts(self) -> tuple["Action", ...]:
+    def parts(self) -> tuple[Action, ...]:
         return (self,)
 
     def __str__(self) -> str:
@@ -95,7 +95,7 @@ class Overlapped:
         return format_action(self)
 
 
-Step = Union[Action, Overlapped]
+Step = Action | Overlapped
 
 
 # --------------------------------------------------------------------------------------------

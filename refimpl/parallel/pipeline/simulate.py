@@ -101,7 +101,7 @@ class Costs:
             object.__setattr__(self, "FB", self.F + self.B)
 
     @staticmethod
-    def parse(text: str) -> "Costs":
+    def parse(text: str) -> Costs:
         """'F=1,B=2,I=1,W=1,FB=3' (any subset; F&B is accepted for FB), and the delays P=, A=."""
         values = {}
         for item in filter(None, (t.strip() for t in text.split(","))):
@@ -115,7 +115,7 @@ class Costs:
                 raise ValueError(f"bad cost {item!r}: the value must be a number such as 1, 0.5 or 1/3") from None
         return Costs(**values)
 
-    def scaled(self, factor) -> "Costs":
+    def scaled(self, factor) -> Costs:
         """Compute costs times `factor` (a stage cut into smaller chunks); P and A are per message: kept."""
         factor = _frac(factor)
         return Costs(self.F * factor, self.B * factor, self.I * factor, self.W * factor, self.FB * factor,
@@ -297,7 +297,8 @@ def step_times(schedule: Schedule, costs: Costs, latency=0, exchanges=None,
                 progressed = True
         if not progressed:
             waiting = ", ".join(
-                f"rank {r} at {schedule.ranks[r][position[r]]}" for r in range(schedule.pp) if position[r] < len(schedule.ranks[r])
+                f"rank {r} at {schedule.ranks[r][position[r]]}" for r in range(schedule.pp)
+                if position[r] < len(schedule.ranks[r])
             )
             raise Deadlock(f"{schedule.name}: no rank can proceed ({waiting})")
     return [[(Fraction(start), Fraction(end), step) for start, end, step in iv] for iv in intervals]

@@ -127,7 +127,8 @@ def _check_pairing(schedule: Schedule, plan) -> tuple[int, bool]:
         if sent[msg] != 1 or received[msg] != 1:
             raise ScheduleError(
                 f"{schedule.name}: {msg.kind} message rank {msg.src} -> {msg.dst} for stage "
-                f"{msg.src_stage}->{msg.dst_stage} micro-batch {msg.mb} is sent {sent[msg]} and received {received[msg]} times"
+                f"{msg.src_stage}->{msg.dst_stage} micro-batch {msg.mb} is sent {sent[msg]} and received "
+                f"{received[msg]} times"
             )
     fifo = all(send_order[channel] == recv_order[channel] for channel in send_order)
     return len(sent), fifo
