@@ -9,7 +9,7 @@ GPT whose every block is a mixture of experts (--experts 4, expert parallelism -
 pipelines: each all-to-all goes between the ranks of the same pipeline position), 8 micro-batches.
 Sleep-cost mode pads each action to its cost, cut at its all-to-alls into equal chunks; link-delay
 mode delivers each pipeline message P after its send and completes each all-to-all A after its
-start (refimpl/parallel/pipeline/overlap.py). Per configuration one warm-up step, then `--steps`
+start (refimpl/tools/pacing.py). Per configuration one warm-up step, then `--steps`
 measured steps; per rank the median over the steps of
 
     exposed pipeline     seconds blocked waiting for pipeline messages (start-up and bubbles too)
@@ -33,14 +33,15 @@ import statistics
 import sys
 import time
 
-from refimpl.tools.console import log
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.pipeline import Costs
 from refimpl.parallel.pipeline.actions import Overlapped
-from refimpl.tools.render import render_lanes_svg, step_lanes
 from refimpl.parallel.pipeline.simulate import run_step
 from refimpl.parallel.trainer import Trainer
+from refimpl.tools.console import log
+from refimpl.tools.render import render_lanes_svg, step_lanes
 from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools.timeline import install
 
 CONFIGS = (("1f1b", True), ("zb1p", True), ("dualpipe", False), ("dualpipe", True))
 
@@ -50,14 +51,15 @@ def run_config(name: str, overlap: bool, world, args, costs: Costs, trace: str |
                       batch_size=args.batch_size, dtype="float32", experts=args.experts, ep=args.ep, top_k=2)
     task = build_task(cfg)
     trainer = Trainer(build_model(cfg, task), lambda ps: build_optimizer(cfg, ps), world, pp=args.pp, schedule=name,
-                      micro_batches=args.micro_batches, action_costs=costs, ep=args.ep, overlap=overlap, trace=trace)
+                      micro_batches=args.micro_batches, ep=args.ep, overlap=overlap)
+    timeline = install(trainer, costs, trace)
     rows = []
     for step in range(args.steps + 1):
         x, y = task.batch(step, args.batch_size)
         world.barrier()
         trainer.step(x, y)
         if step > 0:  # the first step warms up allocations and MPI connections
-            rows.append(trainer.timing())
+            rows.append(timeline.report())
     median = lambda key: [statistics.median(t[key][r] for t in rows) for r in range(args.pp)]  # noqa: E731
     last = rows[-1]
     result = {"schedule": name, "overlap": overlap, "exchanges": last["all_to_all_exchanges"],
@@ -69,25 +71,25 @@ def run_config(name: str, overlap: bool, world, args, costs: Costs, trace: str |
         result[f"simulated_{what}_s"] = last[f"simulated_exposed_{what}_s"]
     result["measured_hidden_fraction"] = statistics.median(t["measured_hidden_fraction"] for t in rows)
     result["simulated_hidden_fraction"] = last["simulated_hidden_fraction"]
-    return result, trainer
+    return result, timeline
 
 
 def mean(values) -> float:
     return sum(values) / len(values)
 
 
-def fb_picture(trainer, costs: Costs) -> str:
+def fb_picture(timeline, costs: Costs) -> str:
     """One F&B step of rank 0 (the middle one): simulated with and without the overlap, and measured."""
-    schedule, rank = trainer.schedule, 0
+    schedule, rank = timeline.trainer.schedule, 0
     pairs = [(i, s) for i, s in enumerate(schedule.ranks[rank]) if isinstance(s, Overlapped)]
     index, step = pairs[len(pairs) // 2]
-    measured = trainer.last_steps[rank][index]
+    measured = timeline.steps_by_rank[rank][index]
     events = [(lane, name, start - measured.start, end - measured.start)
-              for lane, name, start, end in trainer.last_comm[rank]
+              for lane, name, start, end in timeline.events_by_rank[rank]
               if lane in ("compute", "all_to_all", "wait") and measured.start - 1e-6 <= start < measured.end]
     groups = []
     for title, ov in (("simulated, overlapped", True), ("simulated, F then B", False)):
-        run = run_step(step, costs, trainer.exchanges, ov)
+        run = run_step(step, costs, timeline.stage_exchanges, ov)
         groups.append((f"{title} ({float(run.duration) * 1e3:.0f} ms, exposed {float(run.exposed) * 1e3:.0f} ms)",
                        step_lanes((g.lane, g.label, float(g.start), float(g.end)) for g in run.segments)))
     exposed = sum(end - start for lane, _, start, end in events if lane == "wait")
@@ -120,12 +122,12 @@ def main() -> None:
     results, started = [], time.perf_counter()
     for name, overlap in CONFIGS:
         traced = name == "dualpipe" and overlap
-        result, trainer = run_config(name, overlap, world, args, costs,
-                                     os.path.join(args.out, "overlap_trace.json") if traced else None)
+        result, timeline = run_config(name, overlap, world, args, costs,
+                                      os.path.join(args.out, "overlap_trace.json") if traced else None)
         results.append(result)
         if traced and world.rank == 0:
             with open(os.path.join(args.out, "overlap_fb.svg"), "w") as f:
-                f.write(fb_picture(trainer, costs))
+                f.write(fb_picture(timeline, costs))
     for r in results:
         r["measured_total_s"] = mean([a + b for a, b in zip(r["measured_pipeline_s"], r["measured_all_to_all_s"])])
         r["simulated_total_s"] = mean([a + b for a, b in zip(r["simulated_pipeline_s"], r["simulated_all_to_all_s"])])

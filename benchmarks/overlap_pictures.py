@@ -22,8 +22,8 @@ from fractions import Fraction
 from pathlib import Path
 
 from refimpl.parallel.pipeline import Overlapped, build
-from refimpl.tools.render import render_lanes_svg, step_lanes
 from refimpl.parallel.pipeline.simulate import Costs, run_step
+from refimpl.tools.render import render_lanes_svg, step_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
 PICTURES = ("overlap_fb",)

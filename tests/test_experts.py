@@ -235,8 +235,8 @@ def test_every_expert_parallel_combination_equals_single_process_training(tmp_pa
     assert len(results) == len(configs) == 28 and all(r["ok"] for r in results)
 
 
-EP_BYTES = [["--model", "gpt", "--n-layer", "2", "--d-model", "8", "--n-head", "2", "--seq-len", "8", "--batch-size", "8",
-             *f.split()] for f in (
+EP_BYTES = [["--model", "gpt", "--n-layer", "2", "--d-model", "8", "--n-head", "2", "--seq-len", "8",
+             "--batch-size", "8", *f.split()] for f in (
     "--experts 4 --ep 2 --top-k 2 --dtype float64",
     "--experts 8 --ep 4 --top-k 1 --dtype float32 --grad-accum 2",
     "--experts 4 --ep 2 --top-k 2 --dtype float64 --n-layer 3 --checkpoint every:1 --capacity-factor 1.0",
@@ -307,7 +307,7 @@ def test_the_balance_loss_gradient_follows_the_loss_scale():
 
 
 def test_mixed_precision_with_experts_trains_and_verify_says_why_it_does_not_compare(capsys):
-    from refimpl import cli
+    from refimpl.tools import cli
     from refimpl.tools.run import train
 
     summary = train(TrainConfig(model="gpt", experts=4, top_k=2, dtype="mixed", steps=20, batch_size=8, n_layer=1,

@@ -5,53 +5,53 @@ DualPipe(V) run with experts are bitwise the same with the overlap on and off.""
 import json
 
 import pytest
-
 from mpi_util import PROGRAMS, last_json, run_mpi
 
 from refimpl.autograd import grad_mode
 from refimpl.nn import batch_rows
-from refimpl.parallel.pipeline import overlap
+from refimpl.parallel.pipeline.overlap import Interleaver
 from refimpl.tools.sweep import SMALL
 
 
 def test_tasks_alternate_at_pause_points_and_keep_their_own_state():
     trace = []
+    interleaver = Interleaver()
 
     def forward():  # records operations, rows 0:2 of batch 5
         with batch_rows.batch_rows(0, 2, 4, 5):
             for part in ("attention", "experts", "combine"):
                 trace.append(("F", part, grad_mode.is_enabled(), batch_rows.current().start))
-                overlap.pause()
+                interleaver.pause()
 
     def backward():  # the engine runs backward without recording
         with grad_mode.no_grad():
             for part in ("combineᵀ", "expertsᵀ"):
                 trace.append(("B", part, grad_mode.is_enabled(), batch_rows.current()))
-                overlap.pause()
+                interleaver.pause()
 
-    interleaver = overlap.Interleaver()
     interleaver.run(forward, backward)
     assert trace == [("F", "attention", True, 0), ("B", "combineᵀ", False, None), ("F", "experts", True, 0),
                      ("B", "expertsᵀ", False, None), ("F", "combine", True, 0)]
     assert interleaver.switches == 5  # every pause while the other task has not finished is a switch
     assert grad_mode.is_enabled() and batch_rows.current() is None  # the caller's state is back
-    overlap.pause()  # outside an overlapped step: nothing happens
 
 
 def test_an_error_in_one_task_is_raised_after_both_stopped():
     ran = []
+    interleaver = Interleaver()
 
     def failing():
-        overlap.pause()
+        interleaver.pause()
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
-        overlap.Interleaver().run(failing, lambda: ran.append("other"))
+        interleaver.run(failing, lambda: ran.append("other"))
     assert ran == ["other"]
 
 
 OVERLAP = [SMALL + f.split() for f in (
-    "--model gpt --experts 4 --ep 2 --pp 2 --schedule dualpipe --micro-batches 4 --batch-size 16 --n-layer 2 --dropout 0.1",
+    "--model gpt --experts 4 --ep 2 --pp 2 --schedule dualpipe --micro-batches 4 --batch-size 16 --n-layer 2 "
+    "--dropout 0.1",
     "--model gpt --experts 4 --ep 2 --pp 2 --schedule dualpipev --micro-batches 4 --batch-size 16 --n-layer 4 "
     "--checkpoint every:1 --zero 2",
     "--model gpt --experts 8 --ep 2 --top-k 1 --pp 2 --schedule dualpipe --micro-batches 4 --batch-size 16 --n-layer 2 "

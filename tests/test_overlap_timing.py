@@ -1,5 +1,5 @@
 """Exposed communication (issue 17, item 4): the simulator's chunk model against hand-derived numbers,
-the executor's Link (chunk pacing, delayed all-to-alls and messages), the lanes picture, and in
+the executor's observer Pacing (chunk pacing, delayed all-to-alls and messages), the lanes picture, and in
 sleep-cost + link-delay mode over MPI: the fields are reported, the delays change no number and
 the all-to-alls counted are the simulator's. (Measured against simulated within 10 % is
 benchmarks/bench_overlap.py's job: these machines are too noisy for a CI assertion.)"""
@@ -11,15 +11,15 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from mpi_util import PROGRAMS, last_json, run_mpi
 
 from refimpl.parallel.pipeline import Costs, build, simulate
-from refimpl.parallel.pipeline import timeline as tl
-from refimpl.parallel.pipeline.actions import Action, Overlapped
-from refimpl.parallel.pipeline.overlap import Interleaver, Link, pause, running
-from refimpl.tools.render import render_lanes_svg, step_lanes
+from refimpl.parallel.pipeline.actions import Action, Message, Overlapped
+from refimpl.parallel.pipeline.overlap import Interleaver
 from refimpl.parallel.pipeline.simulate import run_step
+from refimpl.tools import timeline as tl
+from refimpl.tools.pacing import Pacing
+from refimpl.tools.render import render_lanes_svg, step_lanes
 from refimpl.tools.sweep import SMALL
 
 FB = Overlapped(Action("F", 0, 3, 0), Action("B", 3, 1, 1))  # a DualPipe F&B: stage 0 forward, stage 3 backward
@@ -108,49 +108,61 @@ def test_costs_carry_the_link_delays():
             tl.parse_costs(bad)
 
 
-# --- the executor's Link, without MPI --------------------------------------------------------------
+# --- the executor's observer Pacing, without MPI ---------------------------------------------------
 
 
 class Done:
     """A request that is already complete (as on one node: shared memory)."""
 
+    def __init__(self, buf="rows"):
+        self.buf = buf
+
     def wait(self):
-        return "rows"
+        return self.buf
 
     def test(self):
         return True
 
 
-def test_link_pads_chunks_and_delays_all_to_alls_in_an_interleaved_step():
-    """The simulator's FB example in milliseconds (F = 30 ms, B = 60 ms, A = 15 ms), run by two tasks."""
-    t0 = time.perf_counter()
-    link = Link(t0, a2a_delay=0.015)
+class Executor:
+    """What Pacing reads of the executor whose runs it watches."""
 
-    def task(label, cost):
-        with link.action(label, cost, 2):
+    schedule = build("dualpipe", 4, 8)
+    stages = {0: None, 3: None}
+
+
+def test_pacing_pads_chunks_and_delays_all_to_alls_in_an_interleaved_step():
+    """The simulator's FB example in milliseconds (F = 30 ms, B = 60 ms, A = 15 ms), run by two tasks
+    as the executor runs an overlapped F&B step: each action's all-to-alls through its all_to_all."""
+    pacing = Pacing(Costs(F=Fraction(3, 100), I=Fraction(3, 100), W=Fraction(3, 100), A=Fraction(15, 1000)), TWO)
+    pacing.run_started(Executor())
+    interleaver = Interleaver()
+
+    def task(action):
+        with pacing.action(action):
             for _ in range(2):
-                link.boundary()
-                started = time.perf_counter()
-                pause(Done())
-                link.complete(Done(), started)
+                pacing.all_to_all_starts()
+                interleaver.pause(Done())
+                pacing.all_to_all_wait(Done())
 
-    with running(link):
-        Interleaver().run(lambda: task("F3", 0.030), lambda: task("B1", 0.060))
-    elapsed = time.perf_counter() - t0
-    assert link.exchanges == 4
-    assert 0.100 <= elapsed < 0.140  # 100 ms simulated; sleeps only overshoot
-    assert 0.005 <= link.exposed["all_to_all"] < 0.030  # 10 ms simulated (less when a chunk overslept)
-    lanes = {lane for lane, *_ in link.events}
+    with pacing.step(FB):
+        interleaver.run(lambda: task(FB.f), lambda: task(FB.b))
+    (step,) = pacing.steps
+    assert pacing.exchanges == 4 and step.kind == "F&B" and len(step.parts) == 2
+    assert 0.100 <= step.end - step.start < 0.140  # 100 ms simulated; sleeps only overshoot
+    assert 0.005 <= pacing.exposed["all_to_all"] < 0.030  # 10 ms simulated (less when a chunk overslept)
+    lanes = {lane for lane, *_ in pacing.events}
     assert lanes == {"compute", "all_to_all", "wait"}
-    assert sum(1 for lane, *_ in link.events if lane == "compute") == 6
+    assert sum(1 for lane, *_ in pacing.events if lane == "compute") == 6
 
 
-def test_link_delivers_a_message_its_delay_after_the_send_time_it_carries():
-    t0 = time.perf_counter()
-    link = Link(t0)
-    buf = link.receive(Done(), "act 0->1 mb 0", lambda b: (0.0, 0.02))  # sent at t0, P = 20 ms
-    assert buf == "rows" and time.perf_counter() - t0 >= 0.02 and link.exposed["pipeline"] >= 0.019
-    assert [e[0] for e in link.events] == ["message", "pipeline"]
+def test_pacing_delivers_a_message_its_delay_after_the_send_time_it_carries():
+    pacing = Pacing(Costs(F=1, I=1, W=1, P=Fraction(2, 100)))
+    pacing.run_started(Executor())
+    assert pacing.trailer == 1 and 0 <= pacing.stamp(None)[0] < 0.01  # the send time, since t0
+    buf = pacing.receive_wait(Done([1.0, 0.0]), Message("act", 0, 1, 0, 1, 0))  # sent at t0, P = 20 ms
+    assert buf == [1.0, 0.0] and time.perf_counter() - pacing.t0 >= 0.02 and pacing.exposed["pipeline"] >= 0.019
+    assert [e[0] for e in pacing.events] == ["message", "pipeline"]
 
 
 def test_lanes_picture():

@@ -14,17 +14,18 @@ from hypothesis import strategies as st
 from refimpl import backend
 from refimpl.autograd import no_grad
 from refimpl.autograd.saved import saved_tensors
+from refimpl.local_trainer import LocalTrainer
 from refimpl.nn import functional as F
 from refimpl.parallel.comm import LocalComm
 from refimpl.parallel.pipeline import Costs, build, simulate, step_messages
-from refimpl.parallel.pipeline import timeline as tl
-from refimpl.parallel.pipeline.executor import RunRecord, StepTime, channel_tag, replay_peak
 from refimpl.parallel.pipeline.actions import step_label
+from refimpl.parallel.pipeline.executor import channel_tag
 from refimpl.parallel.pipeline.stage import split_model, stage_sizes
 from refimpl.parallel.trainer import Trainer
-from refimpl.local_trainer import LocalTrainer
-from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
+from refimpl.tools import timeline as tl
 from refimpl.tools.compare import compare_arrays
+from refimpl.tools.pacing import Pacing, StepTime
+from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_task
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]
 
@@ -112,7 +113,9 @@ def test_every_channel_carries_its_messages_in_the_order_the_receiver_takes_them
 @pytest.mark.parametrize("model", ["gpt", "mlp"])
 def test_one_process_pipeline_equals_local_training(name, m, model):
     cfg, task, net = small(model, 4, batch_size=2 * m, clip=0.5)
-    trainer = Trainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), schedule=name, micro_batches=m, clip=cfg.clip)
+    trainer = Trainer(net, lambda ps: build_optimizer(cfg, ps), LocalComm(), schedule=name, micro_batches=m,
+                      clip=cfg.clip)
+    tl.install(trainer)  # the report's peaks (tools/timeline.py)
     ref_model = build_model(cfg, task)
     reference = LocalTrainer(ref_model, build_optimizer(cfg, ref_model.parameters()), 1, cfg.clip)
     trainer.record_grads = reference.record_grads = True
@@ -155,16 +158,16 @@ def test_replayed_peak_with_equal_bytes_is_the_simulated_peak_times_the_bytes(na
     sim = simulate(schedule, steady_state=False)
     sizes = {(a.stage, a.mb): nbytes for r in range(pp) for a in schedule.actions(r)}
     for r in range(pp):
-        assert replay_peak(schedule, r, sizes, "W") == sim.peak_activations[r] * nbytes
-        assert replay_peak(schedule, r, sizes, "I") == sim.peak_freed_at_i[r] * nbytes
+        assert tl.replay_peak(schedule, r, sizes, "W") == sim.peak_activations[r] * nbytes
+        assert tl.replay_peak(schedule, r, sizes, "I") == sim.peak_freed_at_i[r] * nbytes
 
 
 def _records_from_simulation(schedule, costs):
-    """RunRecords whose steps are exactly the simulated intervals (seconds = simulated units)."""
+    """Runs (Pacing) whose steps are exactly the simulated intervals (seconds = simulated units)."""
     sim = simulate(schedule, costs, steady_state=False)
     records = []
     for intervals in sim.intervals:
-        record = RunRecord()
+        record = Pacing()
         for start, end, step in intervals:
             kind = "F&B" if step.kind == "F&B" else step.kind
             record.steps.append(StepTime(step_label(schedule, step), kind, float(start), float(end), 0.0))
@@ -217,7 +220,8 @@ def test_an_overlapped_step_records_its_two_actions_inside_it():
     def loss_fn(logits, mb):
         return F.cross_entropy(logits, backend.asarray(micro[mb][1]), reduction="sum") * (1.0 / y.size)
 
-    record = trainer.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape)
+    record = trainer.executor.observer = Pacing()  # what the tools install to time the steps
+    trainer.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape)
     pairs = [s for s in record.steps if s.kind == "F&B"]
     assert pairs and all(len(s.parts) == 2 for s in pairs)
     for s in pairs:

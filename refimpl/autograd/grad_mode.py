@@ -11,6 +11,13 @@ def is_enabled() -> bool:
     return _enabled
 
 
+def set_enabled(enabled: bool) -> None:
+    """Turn recording on or off (what no_grad does on entry; the F&B Interleaver restores a task's
+    own setting when it resumes: parallel/pipeline/overlap.py)."""
+    global _enabled
+    _enabled = enabled
+
+
 class no_grad:
     """Context manager (and decorator) in which no operation is recorded for backward."""
 

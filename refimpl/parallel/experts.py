@@ -39,51 +39,43 @@ gradients are summed there; every other parameter over the whole data-parallel g
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from refimpl import backend
 from refimpl.autograd import grad_mode
 from refimpl.autograd.function import Function
+from refimpl.nn.experts import MoE
 from refimpl.nn.module import Module
-
-from .pipeline.overlap import link as current_link
-from .pipeline.overlap import pause
 
 
 class AllToAll(Function):
     """Rows (n, C) in blocks of send_counts[j] rows for rank j -> rows from every rank, recv_counts[s] from s."""
 
-    def forward(self, x, comm, send_counts, recv_counts):
-        self.comm, self.send_counts, self.recv_counts = comm, send_counts, recv_counts
-        return exchange(comm, x, send_counts, recv_counts)
+    def forward(self, x, runner, send_counts, recv_counts):
+        self.runner, self.send_counts, self.recv_counts = runner, send_counts, recv_counts
+        return exchange(runner, x, send_counts, recv_counts)
 
     def backward(self, g, needs):
-        return exchange(self.comm, g, self.recv_counts, self.send_counts), None, None, None
+        return exchange(self.runner, g, self.recv_counts, self.send_counts), None, None, None
 
 
-def exchange(comm, rows, send_counts, recv_counts):
-    """all-to-all(v) of contiguous row blocks: (Σ send_counts, C) -> (Σ recv_counts, C).
+def exchange(runner, rows, send_counts, recv_counts):
+    """all-to-all(v) of contiguous row blocks over runner.comm: (Σ send_counts, C) -> (Σ recv_counts, C).
 
-    Non-blocking, and a pause point: inside an overlapped F&B step (pipeline/overlap.py) the other
-    micro-batch's task computes while these rows travel. Inside an executor run its Link times it:
-    the chunk before it ends here (sleep-cost mode pads it), the wait is exposed communication, and
-    in link-delay mode it completes no earlier than costs.A after its start."""
+    Non-blocking: `runner.all_to_all(start)` starts it and waits for it. Inside a pipeline that is
+    the executor's (executor.py): a switch point of an overlapped F&B step (pipeline/overlap.py: the
+    other micro-batch's task computes while these rows travel), which a tool's observer may time."""
     width = rows.shape[1]
     out = backend.xp().empty((int(sum(recv_counts)), width), dtype=rows.dtype)
-    link = current_link()
-    if link is not None:
-        link.boundary()
-    started = time.perf_counter()
-    request = comm.ialltoallv(backend.xp().ascontiguousarray(rows), [int(n) * width for n in send_counts], out,
-                              [int(n) * width for n in recv_counts])
-    pause(request)
-    if link is None:
-        request.wait()
-    else:
-        link.complete(request, started)
+    runner.all_to_all(lambda: runner.comm.ialltoallv(backend.xp().ascontiguousarray(rows),
+                                                     [int(n) * width for n in send_counts], out,
+                                                     [int(n) * width for n in recv_counts]))
     return out
+
+
+def start_and_wait(start):
+    """The all-to-all hook of a layer outside a pipeline executor: start the collective, wait for it."""
+    return start().wait()
 
 
 class LocalExperts(Module):
@@ -99,7 +91,11 @@ class LocalExperts(Module):
 
 
 class ExpertParallel:
-    """The runner of one MoE layer's experts over an expert-parallel group (MoE.experts_runner)."""
+    """The runner of one MoE layer's experts over an expert-parallel group (MoE.experts_runner).
+
+    all_to_all(start) is how its all-to-alls run: start() starts one and returns the request, the
+    hook waits for it. Alone it starts and waits (start_and_wait); the trainer hands it its pipeline
+    executor's (executor.py: the switch points of overlapped F&B steps), tutorial 11 an Interleaver's."""
 
     exchanges = 2  # all-to-alls of rows per forward (dispatch, combine); a backward sends both back
 
@@ -108,6 +104,7 @@ class ExpertParallel:
         self.comm, self.per_rank = comm, E // P
         self.first = comm.rank * self.per_rank  # this rank's experts: first .. first + E/P − 1
         moe.experts = LocalExperts({e: moe.experts[e] for e in range(self.first, self.first + self.per_rank)})
+        self.all_to_all = start_and_wait
         # this step's calls (the trainer clears it): (rows to each rank, rows from each rank, backward follows)
         self.traffic: list = []
 
@@ -120,11 +117,11 @@ class ExpertParallel:
         send = counts.reshape(P, k).sum(axis=1)  # rows to each rank
         recv = received.sum(axis=1)  # rows from each rank
         self.traffic.append((send, recv, grad_mode.is_enabled()))
-        arrived = AllToAll.apply(x_sorted, self.comm, send, recv)  # 2. dispatch (n_recv, C), (source, expert)
+        arrived = AllToAll.apply(x_sorted, self, send, recv)  # 2. dispatch (n_recv, C), (source, expert)
         order = _source_major_to_expert_major(received)
         y = moe.run_experts(arrived[backend.asarray(order)], received.sum(axis=0), self.first)  # 3. experts
         back = y[backend.asarray(np.argsort(order, kind="stable"))]  # (source, expert) order again
-        return AllToAll.apply(back, self.comm, recv, send)  # 4. combine: (n, C), this rank's order
+        return AllToAll.apply(back, self, recv, send)  # 4. combine: (n, C), this rank's order
 
 
 def _source_major_to_expert_major(received) -> np.ndarray:
@@ -132,6 +129,15 @@ def _source_major_to_expert_major(received) -> np.ndarray:
     starts = np.concatenate([[0], np.cumsum(received.reshape(-1))[:-1]]).reshape(received.shape)  # (P, k)
     return np.concatenate([np.arange(starts[s, i], starts[s, i] + received[s, i])
                            for i in range(received.shape[1]) for s in range(received.shape[0])]).astype(np.int64)
+
+
+def stage_exchanges(stage) -> int:
+    """All-to-alls in one forward of a pipeline stage (a backward has as many): those of its
+    expert-parallel MoE layers (ExpertParallel.exchanges each: dispatch and combine)."""
+    layers = getattr(stage, "layers", None)
+    roots = list(layers) if layers is not None else [getattr(stage, "model", None)]
+    return sum(getattr(getattr(module, "experts_runner", None), "exchanges", 0)
+               for root in roots if hasattr(root, "modules") for module in root.modules())
 
 
 def is_expert_parameter(name: str) -> bool:
@@ -158,8 +164,6 @@ class ParameterSubset:
 
 def apply_expert_parallelism(model, comm) -> list:
     """Install an ExpertParallel runner in every MoE layer of `model` (each rank keeps E/P experts)."""
-    from refimpl.nn.experts import MoE  # noqa: PLC0415
-
     runners = []
     for module in model.modules():
         if isinstance(module, MoE):
@@ -172,4 +176,4 @@ def apply_expert_parallelism(model, comm) -> list:
 
 
 __all__ = ["ExpertParallel", "AllToAll", "LocalExperts", "apply_expert_parallelism", "exchange", "is_expert_parameter",
-           "ParameterSubset"]
+           "ParameterSubset", "stage_exchanges", "start_and_wait"]

@@ -2,8 +2,7 @@
 
 Every distributed configuration -- data parallelism, ZeRO 0-3, mixed precision, tensor and
 sequence parallelism, expert parallelism, pipelines of any schedule, and their combinations -- is
-this class. One
-optimizer step on a global batch of B examples is the same layers on every rank:
+this class. One optimizer step on a global batch of B examples is the same layers on every rank:
 
     1. the mesh (mesh.py)          N = dp · tp · pp ranks; replica d takes its B/dp examples, cut
                                    into M micro-batches (M = --grad-accum without a pipeline, else
@@ -46,6 +45,12 @@ their two ranks; MPI needs every rank of a communicator to issue its collectives
 order, so the strategy reduces over the dp replicas (which run the same list) and the copies are
 summed after the loop, in stage order.
 
+`Trainer.__init__` builds the layers in that order, one named step each: the mesh, the tensor-
+parallel cut, the schedule, the stages (with their experts and activation checkpointing), the
+executor, DualPipe's copies, the gradient strategies, the further layers. Timing, pacing and
+tracing the pipeline are not the trainer's: a tool installs an observer on its executor
+(pipeline/executor.py, `Observer`; refimpl/tools/timeline.py), whose figures report() includes.
+
 What every trainer provides (verify, train, checkpoints and the memory ledger rely on it) is
 refimpl/protocols.py's `Trainer`.
 """
@@ -53,100 +58,132 @@ refimpl/protocols.py's `Trainer`.
 from __future__ import annotations
 
 import math
-import time
 from contextlib import ExitStack, contextmanager
 
 from refimpl import backend
-from refimpl.autograd.saved import saved_tensors
+from refimpl.checkpointing import apply_to_gpt, parse_plan, selective_recomputation
 from refimpl.nn import functional as F
-from refimpl.nn.models import GPT
 from refimpl.nn.batch_rows import batch_rows
+from refimpl.nn.models import GPT
 from refimpl.objective import count_targets, split_batch
 
+from .data_parallel import DataParallel
+from .experts import ParameterSubset, apply_expert_parallelism, is_expert_parameter
 from .mesh import Mesh
-from refimpl.tools import timeline as tl  # TODO layering: timing moves out of the core
-from .pipeline.executor import PipelineExecutor, replay_peak, stage_exchanges
+from .pipeline.actions import Schedule
+from .pipeline.executor import PipelineExecutor
 from .pipeline.schedules import build
-from .pipeline.simulate import Costs
 from .pipeline.stage import split_model
 from .pipeline.validate import validate
-from .experts import ParameterSubset, apply_expert_parallelism, is_expert_parameter
+from .tensor_parallel import PartitionedActivations, check_options, shard_gpt
+from .zero import STAGES
+
+
+def _check_options(model, pp, tp, sequence_parallel, partition_activations, checkpoint, grad_accum, schedule,
+                   zero) -> None:
+    """The options that cannot work together, refused before anything communicates (on every rank alike)."""
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
+    gpt = model.config if isinstance(model, GPT) else None
+    check_options(tp, sequence_parallel, partition_activations, checkpoint or "none",
+                  "gpt" if gpt else type(model).__name__, gpt.n_head if gpt else 1, gpt.seq_len if gpt else 0)
+    if grad_accum <= 0:
+        raise ValueError(f"--grad-accum must be positive, got {grad_accum}")
+    if (pp > 1 or schedule is not None) and grad_accum != 1:
+        raise ValueError(f"--grad-accum {grad_accum} does not apply to a pipeline: its --micro-batches are the "
+                         "accumulation; use --grad-accum 1")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"unknown ZeRO stage {zero!r}; choose 0 (data parallel), 1, 2 or 3")
 
 
 class Trainer:
     """Training of `model` (built whole and alike on every rank) over `world`; see the module docstring.
 
     make_optimizer(params) builds the optimizer (with no parameters for ZeRO: it shards the state).
-    Pipeline: pp ranks per pipeline, schedule (default 1f1b when pp > 1), micro_batches (default
-    2·pp), chunks (interleaved). Tensor parallelism: tp ranks per layer (a GPT), with
-    sequence_parallel the activations between them cut along the sequence. Strategy: zero (0-3; 0 with float32/float64 is DDP, dp_mode
-    bucketed or naive), bucket_bytes, prefetch and param_threshold (ZeRO-3). precision: float32,
-    float64 or mixed. checkpoint: an activation checkpointing plan (refimpl/checkpointing).
-    layers: further layers of the step (a new parallel dimension): each is given the mesh
-    (`join(mesh)`, collective: it makes its own sub-communicators) and wraps every action of the
-    loop (`around(action, last)`, inside the gradient strategy's).
+    Pipeline: pp ranks per pipeline, schedule (a built-in's name, default 1f1b when pp > 1, or a
+    Schedule already built: the tools build a schedule of your own, MODULE:FUNCTION), micro_batches
+    (default 2·pp), chunks (interleaved); overlap: DualPipe's F&B steps interleaved at their
+    all-to-alls. Tensor parallelism: tp ranks per layer (a GPT), with sequence_parallel the
+    activations between them cut along the sequence. Expert parallelism: ep ranks share a MoE
+    layer's experts. Strategy: zero (0-3; 0 with float32/float64 is DDP, dp_mode bucketed or naive),
+    bucket_bytes, prefetch and param_threshold (ZeRO-3). precision: float32, float64 or mixed.
+    checkpoint: an activation checkpointing plan (refimpl/checkpointing). layers: further layers of
+    the step (a new parallel dimension): each is given the mesh (`join(mesh)`, collective: it makes
+    its own sub-communicators) and wraps every action of the loop (`around(action, last)`, inside
+    the gradient strategy's). A tool that times or paces the pipeline installs its observer as
+    `trainer.executor.observer` (pipeline/executor.py, Observer; refimpl/tools/timeline.py).
     """
 
-    def __init__(self, model, make_optimizer, world, *, pp: int = 1, schedule: str | None = None,
+    def __init__(self, model, make_optimizer, world, *, pp: int = 1, schedule: str | Schedule | None = None,
                  micro_batches: int | None = None, chunks: int | None = None, grad_accum: int = 1,
                  zero: int = 0, dp_mode: str = "bucketed", bucket_bytes: int = 1 << 20, prefetch: int = 0,
                  param_threshold: int = 0, precision: str = "float32", clip: float = 0.0, checkpoint=None,
-                 budget: int | None = None, action_costs=None, trace: str | None = None, layers=(),
-                 tp: int = 1, sequence_parallel: bool = False, partition_activations: bool = False,
-                 ep: int = 1, overlap: bool = True) -> None:
-        if not isinstance(pp, int) or pp < 1:
-            raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
-        from .tensor_parallel.gpt import check_options  # noqa: PLC0415
-
-        gpt = model.config if isinstance(model, GPT) else None
-        check_options(tp, sequence_parallel, partition_activations, checkpoint or "none",
-                      "gpt" if gpt else type(model).__name__, gpt.n_head if gpt else 1, gpt.seq_len if gpt else 0)
-        if grad_accum <= 0:
-            raise ValueError(f"--grad-accum must be positive, got {grad_accum}")
-        pipelined = pp > 1 or schedule is not None
-        if pipelined and grad_accum != 1:
-            raise ValueError(f"--grad-accum {grad_accum} does not apply to a pipeline: its --micro-batches are the "
-                             "accumulation; use --grad-accum 1")
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"unknown ZeRO stage {zero!r}; choose 0 (data parallel), 1, 2 or 3")
-        # 1. the mesh
-        self.mesh = Mesh(world, pp=pp, tp=tp, ep=ep)  # the same clear error on every rank if pp · tp does not divide N
+                 budget: int | None = None, layers=(), tp: int = 1, sequence_parallel: bool = False,
+                 partition_activations: bool = False, ep: int = 1, overlap: bool = True) -> None:
+        _check_options(model, pp, tp, sequence_parallel, partition_activations, checkpoint, grad_accum, schedule,
+                       zero)
         self.world, self.rank, self.world_size = world, world.rank, world.size
-        self.pp, self.dp, self.pipelined, self.clip, self.trace = pp, self.mesh.dp, pipelined, clip, trace
-        self.tp, self.tensor_parallel, store = tp, None, None
-        if tp > 1:  # 1b. cut the model over the tp group (each rank keeps its slices), then into stages
-            from .tensor_parallel import PartitionedActivations, shard_gpt  # noqa: PLC0415
+        self.pp, self.tp, self.ep, self.zero, self.precision, self.clip = pp, tp, ep, zero, precision, clip
+        self.pipelined = pp > 1 or schedule is not None
+        # The build order: each step needs what the ones above it built.
+        self.mesh = Mesh(world, pp=pp, tp=tp, ep=ep)  # 1. the same clear error on every rank if pp·tp ∤ N
+        self.dp = self.mesh.dp
+        store = self._cut_over_tensor_parallel(model, sequence_parallel, partition_activations)  # 1b.
+        self.schedule = self._build_schedule(schedule, micro_batches, chunks, grad_accum)  # 2.
+        self._cut_into_stages(model, checkpoint, store)  # 2. with 1b's experts and activation checkpointing
+        self.executor = self._build_executor(overlap=overlap and zero != 3)  # 2. (ZeRO-3's gather-ahead: one order)
+        self.copies = self._stage_copies()  # 4. DualPipe
+        self.sharding, self.expert_sharding = self._gradient_strategies(  # 3. and 5.
+            model, make_optimizer, zero, precision, dp_mode, bucket_bytes, budget, prefetch, param_threshold)
+        self.layers = self._join_layers(layers)  # further layers of the step
+        self.strategies = [s for s in (self.sharding, self.expert_sharding) if s is not None]
+        self.ledger = self.sharding.ledger
+        self.scaler = getattr(self.sharding, "scaler", None)
+        self.record_grads = False
+        self.last_grads: dict = {}
+        self.steps_done = 0  # the global batch's number (dropout masks are keyed by it)
 
+    def _cut_over_tensor_parallel(self, model, sequence_parallel: bool, partition_activations: bool):
+        """1b. With tp > 1 each rank keeps its slices of the model (tensor_parallel/), before the model
+        is cut into stages; returns the store of partitioned activations (or None)."""
+        self.tensor_parallel, store = None, None
+        if self.tp > 1:
             self.tensor_parallel = shard_gpt(model, self.mesh.tp_comm, sequence_parallel)
             store = PartitionedActivations(self.mesh.tp_comm) if partition_activations else None
         # the whole model's parameter shapes (this rank may hold slices, or some of the experts)
         self.whole_shapes = {name: tuple(param.shape) for name, param in model.named_parameters()} \
             if self.tensor_parallel is None else dict(self.tensor_parallel.shapes)
-        self.ep, self.expert_runners = ep, []  # with ep > 1: each MoE layer's ExpertParallel (experts.py)
-        # 2. the micro-batch loop: a schedule of M micro-batches (one stage: gradient accumulation)
-        name = schedule or "1f1b"
-        self.schedule = build(name, pp, (2 * pp if micro_batches is None else micro_batches) if pipelined
-                              else grad_accum, chunks)
-        if not validate(self.schedule).per_channel_ok:  # the executor's receive policy (executor.py) must complete
-            raise ValueError(f"{name}: its lists deadlock with one posted receive per channel; see validate.py")
-        self.costs = action_costs if isinstance(action_costs, Costs) or action_costs is None else \
-            tl.parse_costs(action_costs)
-        self.timing_mode = tl.describe_costs(self.costs)
-        p, S, placement = self.mesh.pp_index, self.schedule.num_stages, self.schedule.placement
-        why = "" if S == pp else f" ({name} with --pp {pp} cuts the model into {S} stages)"
+        return store
+
+    def _build_schedule(self, schedule, micro_batches: int | None, chunks: int | None, grad_accum: int) -> Schedule:
+        """2. The micro-batch loop: a built-in schedule by name (default 1f1b) for M micro-batches, or
+        one built already; without a pipeline, 1F1B over one stage with M = grad_accum (gradient
+        accumulation)."""
+        if not isinstance(schedule, Schedule):
+            M = (2 * self.pp if micro_batches is None else micro_batches) if self.pipelined else grad_accum
+            schedule = build(schedule or "1f1b", self.pp, M, chunks)
+        if not validate(schedule).per_channel_ok:  # the executor's receive policy (executor.py) must complete
+            raise ValueError(f"{schedule.name}: its lists deadlock with one posted receive per channel; "
+                             "see validate.py")
+        return schedule
+
+    def _cut_into_stages(self, model, checkpoint, store) -> None:
+        """2. The model cut into the schedule's S stages (all_stages), those this rank runs (stages),
+        and who counts each: with ep > 1 each MoE layer first keeps its E/ep experts (1b,
+        experts.py); activation checkpointing runs inside the stages, or over the whole model."""
+        S, placement, p = self.schedule.num_stages, self.schedule.placement, self.mesh.pp_index
+        why = "" if S == self.pp else f" ({self.schedule.name} with --pp {self.pp} cuts the model into {S} stages)"
         # each stage's parameters in the whole model, before expert parallelism keeps E/ep experts per rank
         self.stage_names = {s: [name for name, _ in stage.named_parameters()]
                             for s, stage in split_model(model, S, why=why).items()}
-        if ep > 1:  # 1b. expert parallelism: each rank keeps its experts, tokens travel by all-to-all
-
+        self.expert_runners = []  # with ep > 1: each MoE layer's ExpertParallel (experts.py)
+        if self.ep > 1:
             self.expert_runners = apply_expert_parallelism(model, self.mesh.ep_comm)
             if not self.expert_runners:
-                raise ValueError(f"--ep {ep} splits the experts of a mixture of experts; the model has none: add "
+                raise ValueError(f"--ep {self.ep} splits the experts of a mixture of experts; the model has none: add "
                                  "--experts E, or use --ep 1")
         self.all_stages = split_model(model, S, checkpoint_plan=None if S == 1 else checkpoint, why=why)
         if checkpoint not in (None, "none"):
-            from refimpl.checkpointing import apply_to_gpt, parse_plan, selective_recomputation  # noqa: PLC0415
-
             if S == 1:  # the whole model, as one process
                 apply_to_gpt(model, checkpoint, store)
             else:  # the stages run the chain plan; a selective plan also recomputes every attention core
@@ -155,58 +192,64 @@ class Trainer:
                 for stage in self.all_stages.values():
                     stage.checkpoint_store = store
         self.stages = {s: self.all_stages[s] for s in placement.stages_of(p)}
-        self.executor = PipelineExecutor(self.schedule, p, self.mesh.pp_comm, self.stages, self.costs,
-                                         overlap=overlap and zero != 3)  # ZeRO-3's gather-ahead: one order
-        # all-to-alls per forward of every stage: the simulator's chunk model of exposed communication
-        self.exchanges = {s: stage_exchanges(stage) for s, stage in self.all_stages.items()}
         # The lowest pipeline rank holding a stage counts it (global norm) and writes it (records, checkpoints).
         self.primary = {s: min(placement.ranks_of(s)) for s in range(S)}
         self.counts_its_stages = all(self.primary[s] == p for s in self.stages)
-        # 4. DualPipe: the ranks that hold a second copy of this rank's stages (the mirror in each pipeline)
-        holders = sorted({r for s in self.stages for r in placement.ranks_of(s)})
-        d, t = self.mesh.dp_index, self.mesh.tp_index
-        self.copies = world.split(color=(d * tp + t) * pp + holders[0], key=p) if len(holders) > 1 else None
-        # 3 and 5: the gradient strategy over the data-parallel group, with precision and the optimizer
-        norm_total, any_rank = (self._model_parallel_norm, self._model_parallel_any) if pp * tp > 1 else (None, None)
+
+    def _build_executor(self, overlap: bool) -> PipelineExecutor:
+        """2. The executor of this rank's list; the experts' all-to-alls run through it (the switch
+        points of its overlapped F&B steps)."""
+        executor = PipelineExecutor(self.schedule, self.mesh.pp_index, self.mesh.pp_comm, self.stages, overlap=overlap)
+        for runner in self.expert_runners:
+            runner.all_to_all = executor.all_to_all
+        return executor
+
+    def _stage_copies(self):
+        """4. DualPipe: the communicator of the ranks that hold a copy of this rank's stages (the mirror
+        in each pipeline), over which the copies' gradients are summed; None with one copy."""
+        holders = sorted({r for s in self.stages for r in self.schedule.placement.ranks_of(s)})
+        if len(holders) == 1:
+            return None
+        d, t, p = self.mesh.dp_index, self.mesh.tp_index, self.mesh.pp_index
+        return self.world.split(color=(d * self.tp + t) * self.pp + holders[0], key=p)
+
+    def _gradient_strategies(self, model, make_optimizer, zero: int, precision: str, dp_mode: str, bucket_bytes: int,
+                             budget: int | None, prefetch: int, param_threshold: int) -> tuple:
+        """3. and 5. The gradient strategy over the data-parallel group, with precision and the
+        optimizer: DDP, or a ZeRO stage (mixed precision needs ZeRO's master weights: ZeRO-0 then).
+        With ep > 1 a second one holds the experts and reduces over their replicas (edp_comm),
+        sharing the first one's memory ledger. Returns (strategy, expert strategy or None)."""
+        norm_total, any_rank = (self._model_parallel_norm, self._model_parallel_any) if self.pp * self.tp > 1 \
+            else (None, None)
         uncounted = set()  # held whole by every tp rank: tp rank 0 counts them in the norm
-        if self.tensor_parallel is not None and t > 0:
+        if self.tensor_parallel is not None and self.mesh.tp_index > 0:
             uncounted = set(self.tensor_parallel.whole_names(name for name, _ in model.named_parameters()))
 
         def strategy(parts: dict, comm, ledger=None):
             if zero == 0 and precision != "mixed":
-                from .data_parallel import DataParallel  # noqa: PLC0415
-
-                return DataParallel(parts, make_optimizer, comm, dp_mode, bucket_bytes, clip, budget, rank=world.rank,
-                                    norm_total=norm_total, uncounted=uncounted, ledger=ledger)
-            from .zero import STAGES  # noqa: PLC0415 - mixed precision needs ZeRO's master weights (ZeRO-0: DP)
-
-            options = dict(precision=precision, clip=clip, bucket_bytes=bucket_bytes, budget=budget, rank=world.rank,
-                           norm_total=norm_total, any_rank=any_rank, uncounted=uncounted, ledger=ledger)
+                return DataParallel(parts, make_optimizer, comm, dp_mode, bucket_bytes, self.clip, budget,
+                                    rank=self.rank, norm_total=norm_total, uncounted=uncounted, ledger=ledger)
+            options = dict(precision=precision, clip=self.clip, bucket_bytes=bucket_bytes, budget=budget,
+                           rank=self.rank, norm_total=norm_total, any_rank=any_rank, uncounted=uncounted, ledger=ledger)
             if zero == 3:
                 options.update(prefetch_bytes=prefetch, param_threshold=param_threshold)
             return STAGES[zero](model, parts, make_optimizer([]), comm, **options)
 
-        if ep == 1:
-            self.sharding, self.expert_sharding = strategy(self.stages, self.mesh.dp_comm), None
-        else:  # the experts' gradients sum over their replicas (edp_comm), the rest over the whole dp group
-            experts = {s: ParameterSubset(stage, is_expert_parameter) for s, stage in self.stages.items()}
-            others = {s: ParameterSubset(stage, lambda name: not is_expert_parameter(name))
-                      for s, stage in self.stages.items()}
-            self.sharding = strategy(others, self.mesh.dp_comm)
-            self.expert_sharding = strategy(experts, self.mesh.edp_comm, ledger=self.sharding.ledger)
-        self.strategies = [s for s in (self.sharding, self.expert_sharding) if s is not None]
-        self.zero, self.precision = zero, precision
-        self.layers = list(layers)
-        for layer in self.layers:
+        if self.ep == 1:
+            return strategy(self.stages, self.mesh.dp_comm), None
+        # the experts' gradients sum over their replicas (edp_comm), the rest over the whole dp group
+        experts = {s: ParameterSubset(stage, is_expert_parameter) for s, stage in self.stages.items()}
+        others = {s: ParameterSubset(stage, lambda name: not is_expert_parameter(name))
+                  for s, stage in self.stages.items()}
+        dense = strategy(others, self.mesh.dp_comm)
+        return dense, strategy(experts, self.mesh.edp_comm, ledger=dense.ledger)
+
+    def _join_layers(self, layers) -> list:
+        """Further layers of the step: each makes its sub-communicators of the mesh (collective)."""
+        layers = list(layers)
+        for layer in layers:
             layer.join(self.mesh)
-        self.ledger = self.sharding.ledger
-        self.scaler = getattr(self.sharding, "scaler", None)
-        self.record_grads = False
-        self.last_grads: dict = {}
-        self.steps_done = 0  # the global batch's number (dropout masks are keyed by it)
-        self.last_stats = None  # (pp, len(STAT_FIELDS)) figures of the last step, this pipeline's ranks
-        self.last_steps = None  # every rank's StepTime list of the last step (only with a trace)
-        self.last_comm = None  # every rank's communication events of the last step (overlap.Link; with a trace)
+        return layers
 
     # ------------------------------------------------------------------------------------------
     def step(self, x, y) -> float:
@@ -217,7 +260,8 @@ class Trainer:
             if len(x) % (self.dp * M):
                 raise ValueError(f"a batch of {len(x)} cannot be split into {self.dp} data-parallel replicas x "
                                  f"{M} micro-batches; choose a --batch-size divisible by {self.dp * M}")
-            replicas, micro_batches = "data-parallel replicas (world size / --pp)", "pipeline micro-batches (--micro-batches)"
+            replicas = "data-parallel replicas (world size / --pp)"
+            micro_batches = "pipeline micro-batches (--micro-batches)"
         else:
             replicas, micro_batches = "data-parallel ranks", "micro-batches per rank (--grad-accum)"
         x_local, y_local = split_batch(x, y, self.dp, replicas)[self.mesh.dp_index]
@@ -227,23 +271,18 @@ class Trainer:
 
         def rows(mb):  # rows of the global batch in micro-batch mb: dropout masks independent of the split
             start = first_row + mb * b
-            return batch_rows(start, start + b, len(x), self.steps_done, 1.0 if self.scaler is None else self.scaler.scale)
+            loss_scale = 1.0 if self.scaler is None else self.scaler.scale
+            return batch_rows(start, start + b, len(x), self.steps_done, loss_scale)
 
         cross_entropy = F.cross_entropy if self.tensor_parallel is None else self.tensor_parallel.cross_entropy
 
         def loss_fn(logits, mb):  # objective.micro_batch_loss, from the last stage's logits
             return cross_entropy(logits, backend.asarray(micro[mb][1]), reduction="sum") * scale
 
-        if self.pipelined:
-            saved_tensors.reset_peak()
-            self.mesh.pp_comm.barrier("the pipeline's start")
         for runner in self.expert_runners:
             runner.traffic.clear()  # the runners record this step's all-to-alls
-        record = self.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape, t0=time.perf_counter(),
-                                   forward_context=rows, around=self._around,
-                                   loss_scale=None if self.scaler is None else self.scaler.scale)
-        if self.pipelined:
-            self._collect_timing(record)
+        record = self.executor.run(lambda mb: micro[mb][0], loss_fn, micro[0][0].shape, forward_context=rows,
+                                   around=self._around, loss_scale=None if self.scaler is None else self.scaler.scale)
         grads = [strategy.finish() for strategy in self.strategies]  # 3. reduced over the data-parallel group
         if self.copies is not None:  # 4. DualPipe: + the other copy of each stage
             for g in (g for group in grads for g in group):
@@ -384,36 +423,10 @@ class Trainer:
         return {name: out[name] for name in order} if self.rank == 0 else {}
 
     # -- reports ---------------------------------------------------------------------------------
-    def _collect_timing(self, record) -> None:
-        """Every pipeline rank's figures of this step (one float64 all-gather); steps if tracing."""
-        p = self.mesh.pp_index
-        stats = tl.rank_stats(record, saved_tensors.peak_bytes,
-                              replay_peak(self.schedule, p, record.activation_bytes, "W"),
-                              replay_peak(self.schedule, p, record.activation_bytes, "I"),
-                              self.model_state_bytes())
-        gathered = self.mesh.pp_comm.allgather(stats)  # (pp · fields,)
-        self.last_stats = gathered.reshape(self.pp, len(tl.STAT_FIELDS))
-        if self.trace:  # a diagnostic, not the hot path
-            gathered = self.mesh.pp_comm.allgather_object((record.steps, record.comm))
-            self.last_steps = [steps for steps, _ in gathered]
-            self.last_comm = [comm for _, comm in gathered]
-            if self.rank == 0:
-                tl.write_trace(self.trace, tl.chrome_trace(self.schedule, self.last_steps, self.timing_mode,
-                                                           self.last_comm, self.costs, self.exchanges,
-                                                           self.executor.overlap))
-
     def model_state_bytes(self) -> dict:
         """{"parameters", "gradients", "optimizer_states"}: bytes of model state this rank holds."""
         current = self.ledger.current()
         return {k: int(current.get(k, 0)) for k in ("parameters", "gradients", "optimizer_states")}
-
-    def timing(self) -> dict | None:
-        """Measured vs simulated idle and exposed communication of the last step (timeline.summarize),
-        or None before any step."""
-        if self.last_stats is None:
-            return None
-        return tl.summarize(self.schedule, self.last_stats, self.timing_mode, self.costs, self.exchanges,
-                            self.executor.overlap)
 
     def report(self) -> dict:
         """What train --json and verify --json print about the trainer (local: no communication)."""
@@ -445,9 +458,7 @@ class Trainer:
             "sharding_group": self.dp,  # the data-parallel ranks over which gradients are reduced and state sharded
             "stage_copies": 2 if self.copies is not None else 1,  # DualPipe: each stage twice per pipeline
         }
-        timing = self.timing()
-        if timing is not None:
-            pipeline.update(timing)
+        pipeline.update(self.executor.observer.report())  # a tool's figures (timing: tools/timeline.py)
         info["pipeline"] = pipeline
         return info
 

@@ -34,6 +34,7 @@ from refimpl.nn.experts import add_load, describe_load, take_load
 from refimpl.objective import to_input
 from refimpl.optim import OPTIMIZERS
 from refimpl.parallel.trainer import Trainer
+from refimpl.tools import timeline
 from refimpl.tools.console import Progress
 from refimpl.tools.plugin import build_executable_schedule, is_spec
 from refimpl.tools.runtime import preflight, watchdog
@@ -280,13 +281,16 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
     schedule = cfg.schedule  # a built-in's name, or a schedule of your own built and checked here
     if is_spec(schedule):
         schedule = build_executable_schedule(schedule, cfg.pp, cfg.micro_batches or 2 * cfg.pp, cfg.chunks)
-    return Trainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg),
-                   pp=cfg.pp, schedule=schedule, micro_batches=cfg.micro_batches, chunks=cfg.chunks,
-                   grad_accum=cfg.grad_accum, zero=cfg.zero, dp_mode=cfg.dp_mode, bucket_bytes=cfg.bucket_bytes,
-                   prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
-                   checkpoint=cfg.checkpoint, budget=cfg.mem_budget, action_costs=cfg.action_costs, trace=cfg.trace,
-                   tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
-                   partition_activations=cfg.partition_activations, ep=cfg.ep, overlap=cfg.overlap)
+    costs = timeline.parse_costs(cfg.action_costs)  # --action-costs: refused before any rank communicates
+    trainer = Trainer(model, lambda params: build_optimizer(cfg, params), world or get_world(cfg),
+                      pp=cfg.pp, schedule=schedule, micro_batches=cfg.micro_batches, chunks=cfg.chunks,
+                      grad_accum=cfg.grad_accum, zero=cfg.zero, dp_mode=cfg.dp_mode, bucket_bytes=cfg.bucket_bytes,
+                      prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
+                      checkpoint=cfg.checkpoint, budget=cfg.mem_budget, tp=cfg.tp,
+                      sequence_parallel=cfg.sequence_parallel, partition_activations=cfg.partition_activations,
+                      ep=cfg.ep, overlap=cfg.overlap)
+    timeline.install(trainer, costs, cfg.trace)  # the pipeline's timing, pacing and trace (tools/timeline.py)
+    return trainer
 
 
 def get_world(cfg: TrainConfig):

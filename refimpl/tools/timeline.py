@@ -1,7 +1,9 @@
 """The measured timeline of a pipeline step, set beside the simulator's prediction.
 
-Every rank records the start and end of each of its steps (executor.py), on its own clock,
-counted from the moment it left a barrier with the other ranks of its pipeline. From one step:
+`install(trainer, action_costs, trace)` makes a `Timeline` the observer of the trainer's pipeline
+executor (parallel/pipeline/executor.py, Observer). Every rank records the start and end of each
+of its steps on its own clock (pacing.py), counted from the moment it left a barrier with the
+other ranks of its pipeline. From one step:
 
     makespan      T = max over ranks of the end of the rank's last step
     busy[r]       Σ (end − start) over r's steps            (computation, plus the cost sleep)
@@ -22,17 +24,20 @@ Two timing modes, and every figure says which one it comes from:
               stages (the first stage embeds, the last computes the head and the loss), while
               the simulator assumes one cost per kind.
     sleep     every step is padded with a sleep to a fixed cost (--action-costs F=0.02,I=0.02,
-              W=0.02 seconds, B = I + W and F&B = F + B unless given). Sleeping ranks leave the
-              cores to the others, so the run shows the schedule's own bubble; what remains on
-              top of the prediction is message latency, the barrier's skew and the executor's
-              bookkeeping. A step whose computation alone exceeds its cost is an overrun
-              (reported; raise the costs if there are any).
+              W=0.02 seconds, B = I + W and F&B = F + B unless given; pacing.py). Sleeping ranks
+              leave the cores to the others, so the run shows the schedule's own bubble; what
+              remains on top of the prediction is message latency, the barrier's skew and the
+              executor's bookkeeping. A step whose computation alone exceeds its cost is an
+              overrun (reported; raise the costs if there are any).
 
-Exposed communication (executor.py, overlap.Link): per rank, the seconds blocked in the wait of a
-pipeline receive and in the wait of an all-to-all, and the number of all-to-alls. In sleep-cost
-mode the simulator predicts both exactly from the configured costs (with the link delays P and A
-of --action-costs, the stages' all-to-alls and whether F&B overlaps: simulate's chunk model):
+Exposed communication (pacing.py): per rank, the seconds blocked in the wait of a pipeline receive
+and in the wait of an all-to-all, and the number of all-to-alls. In sleep-cost mode the simulator
+predicts both exactly from the configured costs (with the link delays P and A of --action-costs,
+the stages' all-to-alls and whether F&B overlaps: simulate's chunk model):
 `simulated_exposed_*`. The hidden fraction is 1 − exposed all-to-all time / (all-to-alls · A).
+
+Memory: the peak of saved activations during the step, beside `replay_peak` (the simulator's peak
+activations weighted by the bytes each forward measurably saved).
 
 Clock skew: the ranks' clocks are aligned only by the barrier (its exit differs by microseconds
 to a millisecond between ranks), which is enough for idle fractions of steps that last many
@@ -50,8 +55,11 @@ from fractions import Fraction
 
 import numpy as np
 
-from refimpl.parallel.pipeline.actions import step_label
+from refimpl.autograd.saved import saved_tensors
+from refimpl.parallel.experts import stage_exchanges
+from refimpl.parallel.pipeline.actions import Schedule, step_label
 from refimpl.parallel.pipeline.simulate import Costs, simulate
+from refimpl.tools.pacing import Pacing
 
 KINDS = ("F", "B", "I", "W", "F&B")
 MODEL_STATE = ("parameters", "gradients", "optimizer_states")
@@ -60,17 +68,86 @@ STAT_FIELDS = ("end", "busy", "overruns", "peak_bytes", "replay_peak_w", "replay
     "exposed_pipeline", "exposed_all_to_all", "exchanges")
 
 
-def rank_stats(record, peak_bytes: int, replay_w: int, replay_i: int, model_state: dict | None = None) -> np.ndarray:
-    """This rank's figures of one step as a (len(STAT_FIELDS),) float64 vector."""
-    values = {"end": record.end, "busy": record.busy, "overruns": record.overruns, "peak_bytes": peak_bytes,
-              "replay_peak_w": replay_w, "replay_peak_i": replay_i}
+class Timeline(Pacing):
+    """The observer of a pipelined Trainer's executor: each run paced and timed (pacing.Pacing),
+    then every pipeline rank's figures of the step gathered (stats: (pp, len(STAT_FIELDS))), and
+    with `trace` the steps and events too (steps_by_rank, events_by_rank), written by rank 0 as a
+    Chrome trace; report() is `summarize` of the last step (the trainer's pipeline report)."""
+
+    def __init__(self, trainer, costs: Costs | None = None, trace: str | None = None) -> None:
+        super().__init__(costs, {s: stage_exchanges(stage) for s, stage in trainer.all_stages.items()})
+        self.trainer, self.trace, self.mode = trainer, trace, describe_costs(costs)
+        self.stats = self.steps_by_rank = self.events_by_rank = None
+
+    def run_started(self, executor) -> None:
+        saved_tensors.reset_peak()  # the step's own peak
+        executor.comm.barrier("the pipeline's start")  # the ranks' clocks start together
+        super().run_started(executor)
+
+    def run_ended(self, record) -> None:
+        trainer, schedule, p = self.trainer, self.trainer.schedule, self.trainer.mesh.pp_index
+        stats = rank_stats(self, saved_tensors.peak_bytes, replay_peak(schedule, p, record.activation_bytes, "W"),
+                           replay_peak(schedule, p, record.activation_bytes, "I"), trainer.model_state_bytes())
+        comm = trainer.mesh.pp_comm
+        self.stats = comm.allgather(stats).reshape(trainer.pp, len(STAT_FIELDS))  # (pp · fields,) -> (pp, fields)
+        if self.trace:  # a diagnostic, not the hot path
+            gathered = comm.allgather_object((self.steps, self.events))
+            self.steps_by_rank = [steps for steps, _ in gathered]
+            self.events_by_rank = [events for _, events in gathered]
+            if trainer.rank == 0:
+                write_trace(self.trace, chrome_trace(schedule, self.steps_by_rank, self.mode, self.events_by_rank,
+                                                     self.costs, self.stage_exchanges, trainer.executor.overlap))
+
+    def report(self) -> dict:
+        """Measured vs simulated idle and exposed communication of the last step ({} before one)."""
+        if self.stats is None:
+            return {}
+        return summarize(self.trainer.schedule, self.stats, self.mode, self.costs, self.stage_exchanges,
+                         self.trainer.executor.overlap)
+
+
+def install(trainer, action_costs=None, trace: str | None = None) -> Pacing | None:
+    """Watch a Trainer's pipeline runs (its executor's observer); returns the observer, or None.
+
+    action_costs: --action-costs text or simulate.Costs (None: compute mode). A pipelined trainer
+    gets a Timeline (its report and trace); one without a pipeline, with costs, a Pacing (its
+    steps padded to the costs, nothing reported)."""
+    costs = parse_costs(action_costs) if action_costs is None or isinstance(action_costs, str) else action_costs
+    if trainer.pipelined:
+        trainer.executor.observer = Timeline(trainer, costs, trace)
+    elif costs is not None:
+        trainer.executor.observer = Pacing(costs)
+    else:
+        return None
+    return trainer.executor.observer
+
+
+def rank_stats(run, peak_bytes: int, replay_w: int, replay_i: int, model_state: dict | None = None) -> np.ndarray:
+    """This rank's figures of one step (run: a Pacing after the run) as a (len(STAT_FIELDS),) float64 vector."""
+    values = {"end": run.steps[-1].end if run.steps else 0.0, "busy": sum(s.end - s.start for s in run.steps),
+              "overruns": run.overruns, "peak_bytes": peak_bytes, "replay_peak_w": replay_w, "replay_peak_i": replay_i}
     values.update({f"{k}_bytes": (model_state or {}).get(k, 0) for k in MODEL_STATE})
-    values.update(exposed_pipeline=record.exposed["pipeline"], exposed_all_to_all=record.exposed["all_to_all"],
-                  exchanges=record.exchanges)
+    values.update(exposed_pipeline=run.exposed["pipeline"], exposed_all_to_all=run.exposed["all_to_all"],
+                  exchanges=run.exchanges)
     for kind in KINDS:
-        times = [s.end - s.start for s in record.steps if s.kind == kind]
+        times = [s.end - s.start for s in run.steps if s.kind == kind]
         values[f"n_{kind}"], values[f"sum_{kind}"] = len(times), sum(times)
     return np.array([values[f] for f in STAT_FIELDS], dtype=np.float64)
+
+
+def replay_peak(schedule: Schedule, rank: int, activation_bytes: dict, free_at: str = "W") -> int:
+    """Peak bytes if (s, mb)'s activation of `activation_bytes[(s, mb)]` is held from its F to its
+    B (or, split, to `free_at`: "W" holds everything until W, "I" frees everything at I) — the
+    simulator's peak_activations, weighted by the measured bytes of each stage's forward."""
+    live = peak = 0
+    for action in schedule.actions(rank):
+        key = (action.stage, action.mb)
+        if action.kind == "F":
+            live += activation_bytes[key]
+            peak = max(peak, live)
+        elif action.kind == "B" or action.kind == free_at:
+            live -= activation_bytes[key]
+    return peak
 
 
 def measured_costs(stats: np.ndarray) -> dict:
@@ -178,7 +255,7 @@ def _lanes(pid: int, pp: int) -> list:
 
 
 def _comm_event(lane: str, name: str, start: float, end: float, pid: int, tid: int, step_tid: int) -> dict:
-    """A Link / Segment event: compute chunks nest inside their step, the rest on the communication lane."""
+    """A Pacing / Segment event: compute chunks nest inside their step, the rest on the communication lane."""
     return {"name": name, "cat": "chunk" if lane == "compute" else lane, "ph": "X", "pid": pid,
             "tid": step_tid if lane == "compute" else tid, "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6}
 
@@ -187,7 +264,7 @@ def chrome_trace(schedule, steps_by_rank: list, mode: str, comm_by_rank: list | 
                  costs: Costs | None = None, exchanges=None, overlap: bool = True) -> dict:
     """Chrome trace-event JSON (Perfetto, chrome://tracing): process 0 the measured steps, one
     thread per rank (an F&B step with its F and B nested inside, and the chunks of actions with
-    all-to-alls), and below each rank its communication (overlap.Link's events: all-to-alls in
+    all-to-alls), and below each rank its communication (pacing.Pacing's events: all-to-alls in
     flight, waits on them, pipeline messages in flight and receive waits); process 1 the
     simulator's timeline for the measured mean costs; process 2 (sleep-cost mode, `costs` the
     configured ones) the simulator's prediction with its chunks, all-to-alls and waits."""
@@ -247,7 +324,7 @@ def write_trace(path: str, trace: dict) -> None:
 def parse_costs(text: str | None) -> Costs | None:
     """--action-costs 'F=0.02,I=0.02,W=0.02' (seconds) as simulate.Costs, or None (compute mode).
     P=seconds and A=seconds add the link-delay mode: a pipeline message is delivered P after its
-    send, an all-to-all completes A after its start (executor.py, overlap.Link)."""
+    send, an all-to-all completes A after its start (pacing.py)."""
     if text is None or text == "":
         return None
     costs = Costs.parse(text)
@@ -265,5 +342,5 @@ def describe_costs(costs: Costs | None) -> str:
     return f"sleep ({parts} s)"
 
 
-__all__ = ["STAT_FIELDS", "rank_stats", "measured_costs", "summarize", "chrome_trace", "write_trace",
-           "parse_costs", "describe_costs", "exposed_summary", "simulate_configured"]
+__all__ = ["Timeline", "install", "replay_peak", "STAT_FIELDS", "rank_stats", "measured_costs", "summarize",
+           "chrome_trace", "write_trace", "parse_costs", "describe_costs", "exposed_summary", "simulate_configured"]

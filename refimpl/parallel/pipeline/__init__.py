@@ -16,7 +16,9 @@
     executor.py    runs one rank's list over a communicator: one posted receive per channel,
                    isend, F / B / I / W through the engine's two-half backward
                    (the trainer that runs it with data parallelism and ZeRO: parallel/trainer.py)
-    timeline.py    measured vs simulated idle per rank, sleep-cost mode, Chrome trace
+    overlap.py     DualPipe's overlapped F&B: two cooperative threads that switch at all-to-alls
+                   (timing, pacing and tracing a run are tools, through the executor's Observer:
+                   refimpl/tools/pacing.py, refimpl/tools/timeline.py)
 
 Nothing here imports MPI: the executor runs these lists with a `comm.py` communicator that it is
 given. For every action it needs: `schedule.ranks[rank]` (its program), and

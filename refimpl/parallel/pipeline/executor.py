@@ -8,7 +8,7 @@ eight schedules — a new schedule is a new generator, never executor code:
     for step in schedule.ranks[rank]:
         for each message the step consumes:  wait for it; post the channel's next receive
         run the step's actions (F: stage forward; B: backward; I: backward with the weight half
-            deferred; W: the deferred half of an earlier I), then sleep to a fixed cost if asked
+            deferred; W: the deferred half of an earlier I; F&B: an F and a B, see overlap.py)
         isend what the step produces (activations forward, input gradients backward)
     wait for the last sends
 
@@ -52,32 +52,24 @@ docs/pipeline_schedules.md). One more wait: before the backward of (s, mb) the e
 the send of y(s, mb), so that no backward touches an array MPI may still be reading; the
 gradient that started that backward proves the receiver already has it, so this never blocks.
 
-Timing. Each step's start and end (after its inputs arrived, before its sends) are recorded
-against the clock `t0` of the caller (a barrier just before the run), so that measured idle time —
-makespan minus the sum of the rank's step times — can be set beside the simulator's. With `costs`
-(the sleep-cost mode), each step is padded by a sleep to its fixed cost (F, B, I, W, F&B of
-`simulate.Costs`, in seconds): the run then shows the schedule's own bubble rather than CPU
-contention; a step whose computation alone exceeds its cost is counted in `overruns`.
-
 Overlapped F&B (overlap=True): the F and the B of a DualPipe / DualPipeV F&B step run as two
 cooperative threads that hand over at every all-to-all of a mixture of experts (overlap.py), so one
 micro-batch's expert-parallel communication is in flight while the other computes; without
 all-to-alls (no experts), or with overlap=False, F&B runs F then B. The numbers are the same
-either way, bit for bit.
+either way, bit for bit. The experts reach the executor through their runners' hook
+(ExpertParallel.all_to_all = `PipelineExecutor.all_to_all`, set by the trainer): start, give way
+to the other task while the rows travel, wait.
 
-Exposed communication and the link-delay mode (overlap.Link). Every run measures the time this
-rank is blocked waiting for messages: pipeline receives (`record.exposed["pipeline"]`: start-up,
-bubbles and link delay) and all-to-alls (`record.exposed["all_to_all"]`). With costs.P > 0 a
-pipeline message counts as delivered P seconds after its send: each message carries one extra
-element, the sender's send time in seconds since its t0 (float32 or float64 like the message:
-exact to well under a microsecond for runs of seconds), and the receiver's wait lasts until its own
-t0 + send time + P. With costs.A > 0 an all-to-all completes no earlier than A after its start.
-In sleep-cost mode an action with k all-to-alls (`stage_exchanges`: two per expert-parallel MoE
-layer, in F, B and I; none in W) is k + 1 chunks of cost/(k + 1), padded at its all-to-alls, and
-its step is not padded further (an F&B of such actions lasts what its F and B chunks and waits
-make it: FB is not used); a step without all-to-alls is padded to its cost as before. Those are
-the simulator's chunk model (simulate.run_step), so simulate(schedule, costs, exchanges=...,
-overlap=...) predicts every measured wait.
+Observers. Measuring a run, padding its steps to fixed costs (the sleep-cost mode), slowing its
+links down on purpose (the link-delay mode) and drawing its trace are tools
+(refimpl/tools/pacing.py and timeline.py). The executor only says *when* things happen, to the
+`Observer` installed as `executor.observer` (the default one does nothing), and lets it wait for
+messages and all-to-alls, so that it can measure the wait and make it last longer. One choice is
+explicit here: a message can carry `observer.trailer` numbers after its array (link-delay mode:
+the sender's send time), so that the receiver's observer knows when it was sent; the executor
+posts receives that much longer, appends `observer.stamp(msg)` to what it sends and drops the
+trailer once the message has arrived. Without an observer that asks for one, messages are the
+stage's arrays exactly.
 
 Production executors differ: F&B overlaps on separate CUDA streams (communication kernels run
 while compute kernels do), messages go over NCCL on GPU streams rather than through host MPI, and a
@@ -87,7 +79,6 @@ stage's output is freed as soon as it is sent (Megatron-LM's deallocate_output_t
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -98,9 +89,8 @@ from refimpl.autograd.saved import saved_tensors
 from refimpl.autograd.tensor import Tensor
 from refimpl.parallel.comm import progress as report_progress
 
-from . import overlap as overlapping
-from .actions import Action, Message, Overlapped, Schedule, format_action, messages_of, step_label
-from .overlap import Interleaver, Link
+from .actions import Action, Message, Overlapped, Schedule, messages_of
+from .overlap import Interleaver
 
 KIND_INDEX = {"act": 0, "grad": 1}
 
@@ -111,45 +101,63 @@ def channel_tag(message: Message, num_stages: int) -> int:
 
 
 @dataclass
-class StepTime:
-    """One executed step: its label (F3, B0, f5&B1, ...), kind (F, B, I, W, F&B), start, end in seconds."""
-
-    label: str
-    kind: str
-    start: float
-    end: float
-    compute: float  # seconds of real computation inside [start, end] (the rest is the cost sleep)
-    parts: tuple = ()  # F&B: ((label, start, end) of the F, of the B), run one after the other
-
-
-@dataclass
 class RunRecord:
-    """What one run of a rank's program measured."""
+    """What one run of a rank's program leaves behind (cheap data; timing is an observer's)."""
 
-    steps: list[StepTime] = field(default_factory=list)
     loss: float = 0.0  # Σ of this rank's micro-batch losses (last-stage ranks), in the global normalisation
     activation_bytes: dict = field(default_factory=dict)  # (stage, mb) -> bytes its F saved
-    overruns: int = 0  # steps (or chunks of actions with all-to-alls) whose computation exceeded their cost
-    exposed: dict = field(default_factory=lambda: {"pipeline": 0.0, "all_to_all": 0.0})  # seconds blocked
-    exchanges: int = 0  # all-to-alls waited for
-    comm: list = field(default_factory=list)  # overlap.Link events: (lane, name, start, end)
-
-    @property
-    def busy(self) -> float:
-        return sum(s.end - s.start for s in self.steps)
-
-    @property
-    def end(self) -> float:
-        return self.steps[-1].end if self.steps else 0.0
 
 
-def stage_exchanges(stage) -> int:
-    """All-to-alls in one forward of `stage` (a backward has as many): those of its expert-parallel
-    MoE layers (ExpertParallel.exchanges each: dispatch and combine)."""
-    layers = getattr(stage, "layers", None)
-    roots = list(layers) if layers is not None else [getattr(stage, "model", None)]
-    return sum(getattr(getattr(module, "experts_runner", None), "exchanges", 0)
-               for root in roots if hasattr(root, "modules") for module in root.modules())
+class Observer:
+    """What a tool may watch, and pace, in a run of the executor (this default does nothing).
+
+    Installed as `executor.observer` (refimpl/tools/timeline.py installs one that times, paces and
+    delays: tools/pacing.py). The hooks, in the order a run calls them:
+
+        run_started(executor)             before the first receive is posted
+        receive_wait(request, msg)        wait for the posted receive of pipeline message `msg` and
+                                          return its buffer (trailer included)
+        step(step)                        a context around one step (an Action, or an Overlapped
+                                          F&B): entered once its messages have arrived, left before
+                                          its sends start
+        action(action)                    a context around one action of the step, inside step();
+                                          in an overlapped F&B, on that action's own task thread
+        all_to_all_starts()               an action is about to start a non-blocking all-to-all
+        all_to_all_wait(request)          wait for it; return request.wait()'s result
+        run_ended(record)                 after the last send has completed
+        report()                          {field: value} the trainer adds to its pipeline report
+
+    and, for messages: `trailer` numbers appended to every pipeline message, `stamp(msg)` their
+    values at the send (see the module docstring)."""
+
+    trailer = 0
+
+    def run_started(self, executor: PipelineExecutor) -> None:
+        pass
+
+    def receive_wait(self, request, msg: Message):
+        return request.wait()
+
+    def step(self, step):
+        return nullcontext()
+
+    def action(self, action: Action):
+        return nullcontext()
+
+    def all_to_all_starts(self) -> None:
+        pass
+
+    def all_to_all_wait(self, request):
+        return request.wait()
+
+    def stamp(self, msg: Message) -> list:
+        return []
+
+    def run_ended(self, record: RunRecord) -> None:
+        pass
+
+    def report(self) -> dict:
+        return {}
 
 
 class _Channel:
@@ -165,11 +173,12 @@ class _Channel:
 class PipelineExecutor:
     """Runs `schedule.ranks[rank]` over `comm` (the pipeline's communicator) with the given stages.
 
-    stages: {stage index: Stage} for every stage this rank holds (placement.stages_of(rank)).
-    costs:  None (measure the real computation) or a simulate.Costs in seconds (sleep-cost mode).
+    stages:   {stage index: Stage} for every stage this rank holds (placement.stages_of(rank)).
+    overlap:  run the F&B steps' F and B interleaved at their all-to-alls (overlap.py).
+    observer: what a tool installs to watch and pace the runs (Observer; the default does nothing).
     """
 
-    def __init__(self, schedule: Schedule, rank: int, comm, stages: dict, costs=None, overlap: bool = False) -> None:
+    def __init__(self, schedule: Schedule, rank: int, comm, stages: dict, overlap: bool = False) -> None:
         placement = schedule.placement
         missing = set(placement.stages_of(rank)) - set(stages)
         if missing:
@@ -178,12 +187,10 @@ class PipelineExecutor:
             raise ValueError(f"the pipeline communicator has rank {comm.rank} of {comm.size}; "
                              f"the schedule needs rank {rank} of {schedule.pp}")
         self.schedule, self.rank, self.comm, self.stages = schedule, rank, comm, stages
-        self.costs = costs
-        self.link_delay = float(costs.P) if costs is not None else 0.0  # link-delay mode: see the docstring
-        self.a2a_delay = float(costs.A) if costs is not None else 0.0
-        self.exchanges = {s: stage_exchanges(stage) for s, stage in stages.items()}  # all-to-alls per forward
-        self.overlap = overlap  # F&B steps: interleave F and B at their all-to-alls (overlap.py)
+        self.overlap = overlap
+        self.observer = Observer()
         self.switches = 0  # task switches of overlapped steps in the last run
+        self._interleaver = None  # that of the overlapped F&B step running now
         S = schedule.num_stages
         # Per stage: its last action that accumulates parameter gradients (B, or the W of a split one).
         last = {action.stage: action for action in schedule.actions(rank) if action.kind in ("B", "W")}
@@ -198,8 +205,7 @@ class PipelineExecutor:
                 r, s = messages_of(placement, action)
                 recvs += r
                 sends += s
-            kind = "F&B" if isinstance(step, Overlapped) else step.kind
-            self.program.append((step, recvs, sends, step_label(schedule, step), kind))
+            self.program.append((step, recvs, sends))
             for msg in recvs:
                 key = (msg.src, channel_tag(msg, S))
                 channel = self.channels.setdefault(key, _Channel(*key))
@@ -207,15 +213,14 @@ class PipelineExecutor:
                 self._channel_of[msg] = channel
 
     # ------------------------------------------------------------------------------------------
-    def run(self, inputs, loss_fn, x_shape: tuple, t0: float | None = None, forward_context=None,
-            loss_scale: float | None = None, around=None) -> RunRecord:
+    def run(self, inputs, loss_fn, x_shape: tuple, forward_context=None, loss_scale: float | None = None,
+            around=None) -> RunRecord:
         """Run this rank's program once (one optimizer step's worth of micro-batches).
 
         inputs(mb)       the micro-batch input (token ids (b, T) or features (b, d)); asked only
                          by the rank that holds stage 0
         loss_fn(y, mb)   the micro-batch's loss Tensor (scalar) from the last stage's output
         x_shape          shape of one micro-batch input: fixes every message's shape
-        t0               the clock value that counts as time 0 (default: now)
         forward_context  forward_context(mb) -> a context manager around every forward of mb (the
                          trainer says which rows of the global batch mb holds: dropout masks)
         loss_scale       mixed precision's S: the backward starts from loss_mb · S (the record keeps
@@ -226,83 +231,59 @@ class PipelineExecutor:
                          them: parallel/trainer.py)
         """
         xp = backend.xp()
-        clock = time.perf_counter
-        t0 = clock() if t0 is None else t0
         record = RunRecord()
         self._inputs, self._loss_fn, self._x_shape, self._record = inputs, loss_fn, tuple(x_shape), record
         self._context = forward_context or (lambda mb: nullcontext())
         self._loss_scale = loss_scale
-        self._t0, self._link = t0, Link(t0, self.a2a_delay, clock)  # exposed waits, delays, chunks
-        with overlapping.running(self._link):  # (experts.exchange finds it there)
-            self._run(record, around, xp, clock, t0)
-        link = self._link
-        record.exposed, record.exchanges, record.comm = dict(link.exposed), link.exchanges, link.events
-        return record
-
-    def _run(self, record: RunRecord, around, xp, clock, t0: float) -> None:
+        self._around = around or (lambda action, last: nullcontext())
         self._inbox: dict[tuple, object] = {}  # (kind, stage, mb) -> array handed to that stage
         self._outbox: dict[tuple, object] = {}  # (kind, src stage, mb) -> array to send
         self._kept: dict[tuple, tuple] = {}  # (stage, mb) -> (x_in leaf or None, y or loss)
         self._work: dict[tuple, object] = {}  # (stage, mb) -> WeightGradWork of its I
         self._act_sends: dict[tuple, object] = {}  # (stage, mb) -> isend request of y
         self._grad_sends: list = []  # isend requests of input gradients, polled after every step
+        self.switches = 0
+        self.observer.run_started(self)
         for channel in self.channels.values():
             channel.pending = deque(channel.queue)
             self._post_head(channel, xp)
 
-        self.switches = 0
-        for step, recvs, sends, label, kind in self.program:
+        for step, recvs, sends in self.program:
             for msg in recvs:
                 self._take(msg, xp)
-            start = clock()
-            parts = [None] * len(step.parts)  # (label, begin, end) of each action
-            ks = [0 if action.kind == "W" else self.exchanges[action.stage] for action in step.parts]
-            chunked = self.costs is not None and any(ks)  # sleep-cost mode cut at the all-to-alls
-            paced = [0.0, False]  # real computation of the chunked actions, whether one overran
-
-            def run_action(i):
-                action, begin = step.parts[i], clock()
-                label = format_action(action, short=True)
-                cost = float(getattr(self.costs, action.kind)) if chunked else None
-                with self._link.action(label, cost, ks[i]) as pacing:
-                    if around is None:
-                        self._do(action)
-                    else:
-                        with around(action, action in self.last_backward):
-                            self._do(action)
-                paced[0] += pacing.compute
-                paced[1] = paced[1] or pacing.overrun
-                parts[i] = (label, begin - t0, clock() - t0)
-
-            if self.overlap and kind == "F&B":  # F and B interleaved at their all-to-alls (overlap.py)
-                interleaver = Interleaver()
-                interleaver.run(lambda: run_action(0), lambda: run_action(1))
-                self.switches += interleaver.switches
-            else:
-                for i in range(len(step.parts)):
-                    run_action(i)
-            compute = clock() - start
-            if chunked:  # each chunk was padded; the step lasts what its chunks and waits made it
-                compute = paced[0]
-                record.overruns += int(paced[1])
-            elif self.costs is not None:
-                cost = float(self.costs.of(step))
-                if compute > cost:
-                    record.overruns += 1
+            with self.observer.step(step):
+                if self.overlap and isinstance(step, Overlapped):  # F and B interleaved at their all-to-alls
+                    self._interleaver = Interleaver()
+                    try:
+                        self._interleaver.run(lambda: self._act(step.f), lambda: self._act(step.b))
+                    finally:
+                        self.switches += self._interleaver.switches
+                        self._interleaver = None
                 else:
-                    time.sleep(cost - compute)
-            end = clock()
-            report_progress()  # a step of the schedule done (its sleep included)
+                    for action in step.parts:
+                        self._act(action)
+            report_progress()  # a step of the schedule done
             for msg in sends:
                 self._send(msg)
-            record.steps.append(StepTime(label, kind, start - t0, end - t0, compute,
-                                         tuple(parts) if len(parts) > 1 else ()))
             self._grad_sends = [r for r in self._grad_sends if not r.test()]  # let MPI progress
         for request in list(self._act_sends.values()) + self._grad_sends:
             request.wait()
         leftovers = [c for c in self.channels.values() if c.request is not None or c.pending]
         assert not leftovers and not self._kept and not self._work and not self._inbox, \
             "the program left messages, activations or weight work behind"
+        self.observer.run_ended(record)
+        return record
+
+    def all_to_all(self, start):
+        """A non-blocking collective inside one of this run's actions (the experts' all-to-alls,
+        through ExpertParallel.all_to_all): start() starts it; inside an overlapped F&B step the
+        other task runs while it travels (overlap.py); then wait for it. The observer hears it start
+        and waits for it."""
+        self.observer.all_to_all_starts()
+        request = start()
+        if self._interleaver is not None:
+            self._interleaver.pause(request)
+        return self.observer.all_to_all_wait(request)
 
     # --- messages ------------------------------------------------------------------------------
     def _shape_of(self, msg: Message) -> tuple:
@@ -311,39 +292,31 @@ class PipelineExecutor:
         return stage.input_shape(self._x_shape) if msg.kind == "act" else stage.output_shape(self._x_shape)
 
     def _post_head(self, channel: _Channel, xp) -> None:
-        """Post the receive of the channel's next message (if any); link-delay mode: flat, + 1 element."""
+        """Post the receive of the channel's next message (if any); with an observer's trailer: flat, longer."""
         channel.request = None
         if channel.pending:
             msg = channel.pending[0]
             shape = self._shape_of(msg)
-            if self.link_delay:
-                shape = (math.prod(shape) + 1,)
+            if self.observer.trailer:
+                shape = (math.prod(shape) + self.observer.trailer,)
             buf = xp.empty(shape, dtype=self.stages[msg.dst_stage].dtype)
             channel.request = self.comm.irecv(buf, msg.src, channel.tag)
 
     def _take(self, msg: Message, xp) -> None:
         channel = self._channel_of[msg]
         assert channel.pending and channel.pending[0] == msg, f"channel order broken at {msg}"
-        label = f"{msg.kind} {msg.src_stage}->{msg.dst_stage} mb {msg.mb}"
-        if self.link_delay:  # delivered P after the send time the message carries last
-            def delivery(buf):
-                sent = float(buf[-1])
-                return sent, sent + self.link_delay
-
-            buf = self._link.receive(channel.request, label, delivery)
-            buf = buf[:-1].reshape(self._shape_of(msg))
-        else:
-            buf = self._link.receive(channel.request, label)
+        buf = self.observer.receive_wait(channel.request, msg)
+        if self.observer.trailer:
+            buf = buf[:-self.observer.trailer].reshape(self._shape_of(msg))
         channel.pending.popleft()
         self._post_head(channel, xp)  # keep one receive posted on this channel
         self._inbox[(msg.kind, msg.dst_stage, msg.mb)] = buf
 
     def _send(self, msg: Message) -> None:
         buf = self._outbox.pop((msg.kind, msg.src_stage, msg.mb))
-        if self.link_delay:  # the send time travels with the message as its last element
+        if self.observer.trailer:  # the observer's numbers travel after the array
             xp = backend.xp()
-            sent = xp.asarray([time.perf_counter() - self._t0], dtype=buf.dtype)
-            buf = xp.concatenate([buf.reshape(-1), sent])
+            buf = xp.concatenate([buf.reshape(-1), xp.asarray(self.observer.stamp(msg), dtype=buf.dtype)])
         request = self.comm.isend(buf, msg.dst, channel_tag(msg, self.schedule.num_stages))
         if msg.kind == "act":
             self._act_sends[(msg.src_stage, msg.mb)] = request
@@ -358,6 +331,11 @@ class PipelineExecutor:
             self._outbox[(kind, src, mb)] = array
 
     # --- compute -------------------------------------------------------------------------------
+    def _act(self, action: Action) -> None:
+        """One action, inside the observer's context and the caller's `around` (the strategy's)."""
+        with self.observer.action(action), self._around(action, action in self.last_backward):
+            self._do(action)
+
     def _do(self, action: Action) -> None:
         if action.kind == "F":
             self._forward(action)
@@ -405,19 +383,4 @@ class PipelineExecutor:
             self._hand_over("grad", s, s - 1, mb, x_in.grad, action.direction)
 
 
-def replay_peak(schedule: Schedule, rank: int, activation_bytes: dict, free_at: str = "W") -> int:
-    """Peak bytes if (s, mb)'s activation of `activation_bytes[(s, mb)]` is held from its F to its
-    B (or, split, to `free_at`: "W" holds everything until W, "I" frees everything at I) — the
-    simulator's peak_activations, weighted by the measured bytes of each stage's forward."""
-    live = peak = 0
-    for action in schedule.actions(rank):
-        key = (action.stage, action.mb)
-        if action.kind == "F":
-            live += activation_bytes[key]
-            peak = max(peak, live)
-        elif action.kind == "B" or action.kind == free_at:
-            live -= activation_bytes[key]
-    return peak
-
-
-__all__ = ["PipelineExecutor", "RunRecord", "StepTime", "channel_tag", "replay_peak", "stage_exchanges"]
+__all__ = ["Observer", "PipelineExecutor", "RunRecord", "channel_tag"]
