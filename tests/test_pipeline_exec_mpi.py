@@ -8,8 +8,8 @@ the launches are module fixtures shared by several tests.
 import json
 
 import pytest
-
 from mpi_util import PROGRAMS, last_json, run_mpi, run_mpi_json
+
 from refimpl.parallel.pipeline import build, step_messages
 
 pytestmark = pytest.mark.mpi

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from mpi_util import last_json, run_mpi
 
 PROGRAM = Path(__file__).parent / "mpi_programs" / "trainer_layers.py"

@@ -68,7 +68,8 @@ class TrainConfig:
     collectives: str = "mpi"
     dp_mode: str = "bucketed"
     bucket_bytes: int = 1 << 20
-    # ZeRO, mixed precision, memory ledger (refimpl/parallel/zero; docs/zero.md); sharded checkpoints (refimpl/tools/saved_runs)
+    # ZeRO, mixed precision, memory ledger (refimpl/parallel/zero; docs/zero.md);
+    # sharded checkpoints (refimpl/tools/saved_runs)
     zero: int = 0
     prefetch: int = 0
     param_threshold: int = 0
@@ -156,8 +157,8 @@ class TrainConfig:
         if self.experts == 0:
             return
         if self.experts % self.ep:
-            raise ValueError(f"--ep {self.ep} does not divide --experts {self.experts}: each expert-parallel rank holds "
-                             f"experts / ep of them; use an --ep that divides {self.experts}")
+            raise ValueError(f"--ep {self.ep} does not divide --experts {self.experts}: each expert-parallel rank "
+                             f"holds experts / ep of them; use an --ep that divides {self.experts}")
         if self.ep > 1 and self.dtype == "mixed":
             raise ValueError("--ep with --dtype mixed is not supported yet: the experts' and the other parameters' "
                              "strategies would keep two loss scales and vote on overflow apart; use --ep 1 or float32")
@@ -204,11 +205,11 @@ class TrainConfig:
             raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}; use 0 (no decay) "
                              f"or e.g. 0.1")
         if not (math.isfinite(self.clip) and self.clip >= 0):
-            raise ValueError(f"--clip must be a finite number >= 0 (the largest global gradient norm), got {self.clip}; "
-                             f"use e.g. 1.0, or 0 to turn clipping off")
+            raise ValueError(f"--clip must be a finite number >= 0 (the largest global gradient norm), got "
+                             f"{self.clip}; use e.g. 1.0, or 0 to turn clipping off")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--dropout must be in [0, 1) (the probability of zeroing an activation), got {self.dropout}; "
-                             f"use e.g. 0.1, or 0 for none")
+            raise ValueError(f"--dropout must be in [0, 1) (the probability of zeroing an activation), got "
+                             f"{self.dropout}; use e.g. 0.1, or 0 for none")
         if self.dropout > 0 and self.model != "gpt":
             raise ValueError("--dropout applies to the GPT's blocks; the MLP has no dropout: use it with --model gpt")
         if self.seed < 0:
@@ -327,7 +328,7 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     """Train as configured; return the summary printed by --json."""
     cfg.check()
     task = build_task(cfg)
-    preflight.check(cfg, task, world)  # refuse up front a run its hosts' memory cannot hold (refimpl/tools/runtime/preflight.py)
+    preflight.check(cfg, task, world)  # refuse up front a run its hosts' memory cannot hold (runtime/preflight.py)
     model = build_model(cfg, task)
     if world is not None:
         check_same_run(world, cfg, task, model)  # the same flags, data and model on every rank
