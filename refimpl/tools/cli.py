@@ -65,12 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m refimpl")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        try:
-            found = importlib.util.find_spec(module_name) is not None
-        except ModuleNotFoundError:  # its parent package is not there either
-            found = False
-        if not found:
-            continue  # a capability that has not landed yet
         module = importlib.import_module(module_name)
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command_parser)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from refimpl import backend
 from refimpl.autograd import no_grad, saved_tensors
-from refimpl.checkpointing import count_forward_calls
+from refimpl.checkpointing import apply_to_gpt, count_forward_calls, parse_plan
 from refimpl.data import SortTask, SpiralsTask, TextTask, accuracy
 from refimpl.local_trainer import LocalTrainer
 from refimpl.memory import memory_by_rank
@@ -33,12 +33,15 @@ from refimpl.nn import functional as F
 from refimpl.nn.experts import add_load, describe_load, take_load
 from refimpl.objective import to_input
 from refimpl.optim import OPTIMIZERS
+from refimpl.parallel.comm import get_world as world_of
+from refimpl.parallel.tensor_parallel.gpt import check_options
 from refimpl.parallel.trainer import Trainer
 from refimpl.tools import timeline
 from refimpl.tools.console import Progress
 from refimpl.tools.plugin import build_executable_schedule, is_spec
 from refimpl.tools.runtime import preflight, watchdog
 from refimpl.tools.runtime.agreement import check_same_run
+from refimpl.tools.saved_runs import sharded
 
 # Per-model defaults (the demo settings); a flag given on the command line overrides them.
 DEFAULTS = {
@@ -123,7 +126,6 @@ class TrainConfig:
         self.check_experts()
         self.check_own_schedule()
         if self.checkpoint != "none":
-            from refimpl.checkpointing import parse_plan  # noqa: PLC0415
 
             parse_plan(self.checkpoint)  # a clear error for a bad plan
             if self.model != "gpt":
@@ -186,7 +188,6 @@ class TrainConfig:
     def check_tensor_parallel(self) -> None:
         """--tp, --sequence-parallel and --partition-activations against the model (the world size is
         the mesh's check)."""
-        from refimpl.parallel.tensor_parallel.gpt import check_options  # noqa: PLC0415 - imports no MPI
 
         check_options(self.tp, self.sequence_parallel, self.partition_activations, self.checkpoint, self.model,
                       self.n_head, self.seq_len)
@@ -275,7 +276,6 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
     layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed" or cfg.tp > 1 or cfg.ep > 1
     if not layered and (world is None or (distributed is None and world.size == 1) or distributed is False):
         if cfg.checkpoint != "none":
-            from refimpl.checkpointing import apply_to_gpt  # noqa: PLC0415
 
             apply_to_gpt(model, cfg.checkpoint)
         return LocalTrainer(model, build_optimizer(cfg, model.parameters()), cfg.grad_accum, cfg.clip, cfg.mem_budget)
@@ -296,8 +296,6 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
 
 def get_world(cfg: TrainConfig):
     """The world communicator (a one-process LocalComm unless launched by mpiexec; no MPI import then)."""
-    from refimpl.parallel.comm import get_world as world_of  # noqa: PLC0415 - imports no MPI by itself
-
     return world_of(cfg.collectives)
 
 
@@ -336,7 +334,6 @@ def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     trainer = make_trainer(cfg, model, world)
     start_step = 0
     if cfg.resume or cfg.save_dir:  # sharded checkpoints (refimpl/tools/saved_runs/sharded.py)
-        from refimpl.tools.saved_runs import sharded  # noqa: PLC0415
 
         start_step = sharded.resume(trainer, model, cfg, world) if cfg.resume else 0
         if cfg.save_dir:  # before the first step, not at the first save: writable, and not another run's

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from refimpl import backend
 from refimpl.autograd.tensor import Tensor
+from refimpl.checkpointing import checkpoint_sequential, resolve_plan
 from refimpl.nn.layers import MLP
 from refimpl.nn.models import GPT, MLPClassifier
 from refimpl.nn.module import Module
@@ -178,7 +179,6 @@ class Stage:
             return x
         # Activation checkpointing inside the stage: the stage's layers are the chain that the
         # plan (sqrt, every:K, revolve:C, budget:B) recomputes during this stage's backward.
-        from refimpl.checkpointing import checkpoint_sequential, resolve_plan  # noqa: PLC0415 - optional layer
 
         key = (x.shape, str(x.dtype))
         if key not in self._resolved:  # a budget plan measures one layer once per input shape

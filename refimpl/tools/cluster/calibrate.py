@@ -74,6 +74,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refimpl.autograd.tensor import Tensor
+from refimpl.nn.layers import Block
+from refimpl.optim.adamw import AdamW
+from refimpl.parallel.comm import get_world
+from refimpl.tools.cluster.model import Efficiency, Run, action_times
+from refimpl.tools.runtime import threads
+
 from .hardware import Cluster
 
 DEFAULT_WIDTH = 256  # h of the layers whose GEMMs are timed (the benchmark's GPT)
@@ -177,8 +184,6 @@ def memory_bandwidth(elements: int = DEFAULT_TOKENS * 4 * DEFAULT_WIDTH, repeats
 
 
 def _tiny_block():
-    from refimpl.nn.layers import Block  # noqa: PLC0415 - the cluster model itself needs no nn
-
     return Block(8, 2, 4, np.random.default_rng(0), dtype="float32")
 
 
@@ -196,9 +201,6 @@ def count_operations(output) -> int:
 
 def block_operations(width: int = 8, heads: int = 2, seq: int = 4, dropout: float = 0.0) -> int:
     """Autograd operations of one GPT Block forward (pre-LN, dense MLP), counted in its graph."""
-    from refimpl.autograd.tensor import Tensor  # noqa: PLC0415
-    from refimpl.nn.layers import Block  # noqa: PLC0415
-
     block = Block(width, heads, seq, np.random.default_rng(0), dropout=dropout, dtype="float32")
     x = Tensor(np.zeros((1, seq, width), dtype=np.float32), requires_grad=True)
     return count_operations(block(x))
@@ -207,8 +209,6 @@ def block_operations(width: int = 8, heads: int = 2, seq: int = 4, dropout: floa
 def block_seconds(width: int, tokens: int, seq: int = DEFAULT_SEQ, dtype: str = "float32", repeats: int = 5,
                   min_seconds: float = MIN_SECONDS) -> float:
     """Seconds of one refimpl GPT Block's forward and backward on `tokens` tokens (sequences of `seq`)."""
-    from refimpl.autograd.tensor import Tensor  # noqa: PLC0415
-    from refimpl.nn.layers import Block  # noqa: PLC0415
 
     heads = max(1, width // 64)
     block = Block(width, heads, seq, np.random.default_rng(0), dtype=dtype)
@@ -230,7 +230,6 @@ def memory_efficiency(cluster: Cluster, measured: float, width: int, tokens: int
     softmax and tanh-GeLU make several passes and compute transcendentals, which numpy.add's
     bandwidth does not see; the real Block does. Two evaluations give A and B (T(1) = A + B,
     T(1/2) = A + 2B); e = B / (measured − A), kept within [0.02, 4]."""
-    from .model import Efficiency, Run, action_times  # noqa: PLC0415
 
     run = Run(n_layer=1, d_model=width, n_head=max(1, width // 64), seq_len=seq, vocab_size=2,
               batch_size=max(1, tokens // seq), micro_batch_size=max(1, tokens // seq), dtype=dtype)
@@ -252,7 +251,6 @@ def optimizer_efficiency(bandwidth: float, elements: int = 1 << 20, repeats: int
     """refimpl's AdamW update on one float32 parameter of `elements`, as a share of `bandwidth`:
     the cost model prices an update at G + 2K + 2P bytes per parameter (model._optimizer_seconds;
     float32: 4 + 16 + 8 = 28)."""
-    from refimpl.optim.adamw import AdamW  # noqa: PLC0415
 
     param = np.ones(elements, dtype=np.float32)
     grad = np.full(elements, 1e-3, dtype=np.float32)
@@ -265,7 +263,6 @@ def optimizer_efficiency(bandwidth: float, elements: int = 1 << 20, repeats: int
 def operation_overhead(repeats: int = 60, min_seconds: float = MIN_SECONDS) -> float:
     """Seconds per autograd operation and per action (F, I, W): a width-8 Block's forward and
     backward, divided by 3 × its operations."""
-    from refimpl.autograd.tensor import Tensor  # noqa: PLC0415
 
     block = _tiny_block()
     x = Tensor(np.ones((1, 4, 8), dtype=np.float32), requires_grad=True)
@@ -367,8 +364,6 @@ def cpu_name() -> str:
 def calibrate(world=None, quick: bool = False, width: int = DEFAULT_WIDTH, tokens: int = DEFAULT_TOKENS,
               name: str = "local") -> Calibration:
     """Measure every rate (module docstring) on every rank of `world` at once; the Cluster they make."""
-    from refimpl.parallel.comm import get_world  # noqa: PLC0415
-    from refimpl.tools.runtime import threads  # noqa: PLC0415
 
     world = world or get_world()
     began = time.perf_counter()

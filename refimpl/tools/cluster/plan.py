@@ -1,6 +1,6 @@
 """Plan a run: search the parallel configurations of a model on G GPUs for the fastest that fits.
 
-The search space (issue 18; what Megatron-LM's and DeepSpeed's users choose by hand):
+The search space (what Megatron-LM's and DeepSpeed's users choose by hand):
 
     tp          powers of two up to a node's GPUs, dividing the heads
     pp          divisors of the layer count (every stage gets whole blocks), with tp · pp dividing G

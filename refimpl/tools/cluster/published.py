@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from .hardware import PRESETS
 from .model import Run, predict
 
-TOLERANCE = 0.15  # issue 18: each published result predicted within 15%
+TOLERANCE = 0.15  # the bar: each published result predicted within 15%
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from refimpl.parallel.comm import get_world
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.calibrate import DEFAULT_TOKENS, DEFAULT_WIDTH, calibrate
 from refimpl.tools.console import emit_json, log
@@ -91,8 +92,6 @@ def table(cal) -> str:
 
 
 def run(args) -> int:
-    from refimpl.parallel.comm import get_world  # noqa: PLC0415
-
     world = get_world()
     cal = calibrate(world, quick=args.quick, width=args.width, tokens=args.tokens)
     if world.rank != 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from refimpl.parallel.comm import get_world
 from refimpl.tools.console import emit_json, log
 from refimpl.tools.saved_runs import sharded
 
@@ -28,7 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """Under mpiexec rank 0 reads and writes; the other ranks wait for it and share its outcome (an
     error is printed once, every rank exits 2)."""
-    from refimpl.parallel.comm import get_world  # noqa: PLC0415 - one process: no MPI import
 
     world = get_world()
     result = sharded.on_rank0(world, lambda: sharded.consolidate(str(args.checkpoint), str(args.out), args.optimizer))

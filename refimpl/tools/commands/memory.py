@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from refimpl import backend
+from refimpl.autograd import saved_tensors
 from refimpl.memory import (
     COMM_FORMULAS,
     STAGE_FORMULAS,
@@ -32,6 +33,7 @@ from refimpl.memory import (
     parse_count,
 )
 from refimpl.tools.console import emit_json, log
+from refimpl.tools.run import DEFAULTS, TrainConfig, build_model, build_task, get_world, make_trainer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,9 +132,6 @@ def _count(psi: int) -> str:
 
 
 def _measure(args, precision: str) -> int:
-    from refimpl.autograd import saved_tensors  # noqa: PLC0415
-    from refimpl.tools.run import DEFAULTS, TrainConfig, build_model, build_task, get_world, make_trainer  # noqa: PLC0415
-
     model_name = args.model or "gpt"
     defaults = DEFAULTS[model_name]
     cfg = TrainConfig(model=model_name, dtype=precision, optimizer=args.optimizer, steps=1,

@@ -28,7 +28,18 @@ import argparse
 import numpy as np
 
 from refimpl import backend
+from refimpl.autograd.saved import saved_tensors
+from refimpl.autograd.tensor import Tensor
+from refimpl.checkpointing import checkpoint_sequential, selective_recomputation
+from refimpl.data import SortTask
 from refimpl.memory import gpt_parameters, korthikanti_bytes_per_block, saved_bytes_per_block
+from refimpl.nn.batch_rows import batch_rows
+from refimpl.nn.models import GPT, GPTConfig
+from refimpl.optim import AdamW
+from refimpl.parallel.comm import get_world
+from refimpl.parallel.tensor_parallel import PartitionedActivations, shard_gpt
+from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.parallel.trainer import Trainer
 from refimpl.tools.console import emit_json, log
 
 TABLES = ("activations", "bytes", "parameters")
@@ -58,28 +69,18 @@ def check(args) -> None:
 
 def _gpt(args):
     """The whole GPT of these flags (float64, the sorting task's vocabulary of 11)."""
-    from refimpl.nn.models import GPT, GPTConfig  # noqa: PLC0415
-
     return GPT(GPTConfig(vocab_size=11, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                          d_model=args.d_model, dropout=args.dropout, dtype="float64"), seed=0)
 
 
 def _model(args, world, sequence_parallel: bool):
     """The GPT cut over the world as one tensor-parallel group: (model, its TensorParallelGPT)."""
-    from refimpl.parallel.tensor_parallel import shard_gpt  # noqa: PLC0415
-
     model = _gpt(args)
     return model, shard_gpt(model, world, sequence_parallel)
 
 
 def measure_activations(args, world) -> list[dict]:
     """Each mode's saved bytes per block on this rank: the ledger after a forward, against the formula."""
-    from refimpl.autograd.saved import saved_tensors  # noqa: PLC0415
-    from refimpl.autograd.tensor import Tensor  # noqa: PLC0415
-    from refimpl.checkpointing import checkpoint_sequential, selective_recomputation  # noqa: PLC0415
-    from refimpl.nn.batch_rows import batch_rows  # noqa: PLC0415
-    from refimpl.parallel.tensor_parallel import PartitionedActivations  # noqa: PLC0415
-
     t, b, T, C, H, L = world.size, args.batch_size, args.seq_len, args.d_model, args.n_head, args.n_layer
     dropout = args.dropout > 0
 
@@ -122,11 +123,6 @@ def measure_activations(args, world) -> list[dict]:
 
 def measure_bytes(args, world) -> list[dict]:
     """Bytes this rank sends on the group in the second training step, against the formula."""
-    from refimpl.data import SortTask  # noqa: PLC0415
-    from refimpl.optim import AdamW  # noqa: PLC0415
-    from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step  # noqa: PLC0415
-    from refimpl.parallel.trainer import Trainer  # noqa: PLC0415
-
     rows = []
     task = SortTask(length=args.seq_len // 2)  # vocabulary 11, sequences of seq_len tokens
     x, y = task.batch(0, args.batch_size)
@@ -156,8 +152,6 @@ def parameters(args, world) -> list[dict]:
 
 
 def run(args) -> int:
-    from refimpl.parallel.comm import get_world  # noqa: PLC0415
-
     check(args)
     world = get_world()
     if world.size < 2:

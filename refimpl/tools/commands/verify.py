@@ -30,6 +30,7 @@ import shlex
 import numpy as np
 
 from refimpl import backend
+from refimpl.parallel.comm import get_world as world_of
 from refimpl.tools.console import emit_json, log
 from refimpl.tools.flags import add_run_arguments, config_from_args
 from refimpl.tools.plugin import is_spec as is_plugin
@@ -119,8 +120,6 @@ def verify_flags(world, flags: list, factory=None) -> dict:
 
 def run_sweep(args) -> int:
     """verify --sweep N: draw, verify and report each configuration; exit 1 if any fails."""
-    from refimpl.parallel.comm import get_world as world_of  # noqa: PLC0415
-
     if args.sweep <= 0:
         raise ValueError(f"--sweep needs a positive number of configurations, got {args.sweep}")
     if args.sweep_seed is not None and args.sweep_seed < 0:

@@ -28,12 +28,12 @@ from dataclasses import asdict
 
 import refimpl
 from refimpl.tools.runtime.failure import AgreedError, on_ranks
+from refimpl.tools.saved_runs.fingerprint import file_sha256
 
 
 def describe_run(cfg, task, model) -> dict[str, object]:
     """What this rank is about to train (see the module docstring)."""
     if cfg.data is not None:
-        from refimpl.tools.saved_runs.fingerprint import file_sha256  # noqa: PLC0415
 
         data = f"--data {cfg.data} with SHA-256 {file_sha256(cfg.data)[:16]}… and {task.vocab_size} characters"
     else:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+from threadpoolctl import threadpool_info, threadpool_limits
+
 USER_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 _current: ThreadBudget | None = None
@@ -59,7 +61,6 @@ def choose(cores: int, local_ranks: int, environ=os.environ) -> ThreadBudget:
 def apply(local_ranks: int, environ=os.environ) -> ThreadBudget:
     """Choose this rank's budget, limit the loaded thread pools to it, and remember it."""
     global _current
-    from threadpoolctl import threadpool_info, threadpool_limits  # noqa: PLC0415 - only under MPI
 
     budget = choose(available_cores(), local_ranks, environ)
     if budget.threads is not None:

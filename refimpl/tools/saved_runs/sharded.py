@@ -58,6 +58,7 @@ import tempfile
 
 import numpy as np
 
+from refimpl.parallel.comm import LocalComm
 from refimpl.protocols import Checkpointable, missing
 from refimpl.tools.console import log
 from refimpl.tools.runtime import watchdog
@@ -82,7 +83,6 @@ def shard_name(rank: int, world_size: int) -> str:
 def _comm(world):
     if world is not None:
         return world
-    from refimpl.parallel.comm import LocalComm  # noqa: PLC0415
 
     return LocalComm()
 
