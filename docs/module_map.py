@@ -29,11 +29,15 @@ READING_PATH = [
                                   "checkpointing/sequential.py"]),
     ("collectives and their bytes", ["parallel/comm.py", "parallel/ring.py"]),
     ("data parallelism (DDP)", ["parallel/data_parallel.py"]),
-    ("ZeRO-1", ["parallel/zero/stage1.py", "parallel/zero/flat.py", "parallel/zero/optimizer.py", "memory.py"]),
-    ("ZeRO-2", ["parallel/zero/stage2.py", "parallel/zero/flat.py", "parallel/zero/optimizer.py"]),
-    ("ZeRO-3", ["parallel/zero/stage3.py", "parallel/zero/flat.py", "parallel/zero/optimizer.py"]),
+    ("what ZeRO partitions, and its formulas", ["parallel/zero/__init__.py", "memory.py"]),
+    ("ZeRO-1", ["parallel/zero/stage1.py", "parallel/zero/strategy.py", "parallel/zero/reductions.py",
+                "parallel/zero/flat.py", "parallel/zero/optimizer.py"]),
+    ("ZeRO-2", ["parallel/zero/stage2.py", "parallel/zero/buffers.py", "parallel/zero/reductions.py"]),
+    ("ZeRO-3", ["parallel/zero/stage3.py", "parallel/zero/buffers.py", "parallel/zero/reductions.py",
+                "parallel/zero/flat.py"]),
     ("tensor and sequence parallelism", ["parallel/tensor_parallel/operators.py", "parallel/tensor_parallel/layers.py",
-                                         "parallel/tensor_parallel/gpt.py", "parallel/tensor_parallel/formulas.py"]),
+                                         "parallel/tensor_parallel/gpt.py", "parallel/tensor_parallel/formulas.py",
+                                         "memory.py"]),
     ("mixture of experts and expert parallelism", ["nn/experts.py", "parallel/experts.py"]),
     ("pipeline schedules", ["parallel/pipeline/actions.py", "parallel/pipeline/schedules/one_f_one_b.py",
                             "parallel/pipeline/schedules/zb1p.py", "parallel/pipeline/schedules/dualpipe.py",
@@ -41,6 +45,8 @@ READING_PATH = [
     ("running a pipeline over MPI", ["parallel/pipeline/executor.py", "parallel/pipeline/overlap.py",
                                      "parallel/pipeline/stage.py"]),
     ("one trainer over the pp x dp x tp mesh", ["parallel/trainer.py", "parallel/mesh.py", "protocols.py"]),
+    ("DualPipe's overlapped F&B with experts", ["parallel/pipeline/schedules/dualpipe.py", "parallel/pipeline/executor.py",
+                                               "parallel/pipeline/overlap.py", "parallel/experts.py", "nn/experts.py"]),
 ]
 
 
