@@ -36,7 +36,7 @@ READING_PATH = [
     ("ZeRO-3", ["parallel/zero/stage3.py", "parallel/zero/buffers.py", "parallel/zero/reductions.py",
                 "parallel/zero/flat.py"]),
     ("tensor and sequence parallelism", ["parallel/tensor_parallel/operators.py", "parallel/tensor_parallel/layers.py",
-                                         "parallel/tensor_parallel/gpt.py", "parallel/tensor_parallel/formulas.py",
+                                         "parallel/tensor_parallel/gpt.py", "parallel/tensor_parallel/communication.py",
                                          "memory.py"]),
     ("mixture of experts and expert parallelism", ["nn/experts.py", "parallel/experts.py"]),
     ("pipeline schedules", ["parallel/pipeline/actions.py", "parallel/pipeline/schedules/one_f_one_b.py",
@@ -45,8 +45,9 @@ READING_PATH = [
     ("running a pipeline over MPI", ["parallel/pipeline/executor.py", "parallel/pipeline/overlap.py",
                                      "parallel/pipeline/stage.py"]),
     ("one trainer over the pp x dp x tp mesh", ["parallel/trainer.py", "parallel/mesh.py", "protocols.py"]),
-    ("DualPipe's overlapped F&B with experts", ["parallel/pipeline/schedules/dualpipe.py", "parallel/pipeline/executor.py",
-                                               "parallel/pipeline/overlap.py", "parallel/experts.py", "nn/experts.py"]),
+    ("DualPipe's overlapped F&B with experts", ["parallel/pipeline/schedules/dualpipe.py",
+                                               "parallel/pipeline/executor.py", "parallel/pipeline/overlap.py",
+                                               "parallel/experts.py", "nn/experts.py"]),
 ]
 
 

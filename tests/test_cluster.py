@@ -3,7 +3,7 @@
 No timing here: calibration and speed live in benchmarks/ (bench_cluster_calibration.py,
 bench_plan.py). What is checked: the pipeline's extrapolation equals the full simulation; the
 α–β collectives are the stated formulas; memory is the ZeRO paper's model states and the engine's
-per-block activations; tensor parallelism's traffic is tensor_parallel/formulas.py's; the
+per-block activations; tensor parallelism's traffic is tensor_parallel/communication.py's; the
 parameter count is the real model's; MFU is PaLM's; published runs are predicted within 15%;
 plan finds what an exhaustive search finds; bad input is one clear line.
 """
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from refimpl.memory import PRECISIONS, model_state_bytes, paper_table, saved_bytes_per_block
 from refimpl.parallel.pipeline import Costs
-from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.parallel.tensor_parallel.communication import StepShape, bytes_per_step
 from refimpl.tools import cli
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.collectives import Group, Links
@@ -153,7 +153,7 @@ def test_parameters_are_the_real_models():
 @pytest.mark.parametrize("checkpoint", ["none", "full"])
 def test_tensor_parallel_traffic_is_the_formulas_bytes_over_the_link(sp, checkpoint):
     """With α = 0 and an effective β of 1 byte/s, tp's seconds are its bytes: those of
-    tensor_parallel/formulas.py's count for the blocks (its sequence-parallel parameter sums aside)."""
+    tensor_parallel/communication.py's count for the blocks (its sequence-parallel parameter sums aside)."""
     cluster = replace(A100, intra_latency=0.0, intra_bandwidth=1.0)
     eff = Efficiency(network=1.0)
     t, b = 4, 2

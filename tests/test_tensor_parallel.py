@@ -6,7 +6,7 @@
     float64, rtol 1e-10), many configurations per MPI launch: tp 2 and 4, dp x tp, tp x pp with
     every schedule, 8 ranks dp2 x tp2 x pp2, every ZeRO stage, checkpointing, dropout, tied
     embeddings, sequence parallelism (drawn ones: tests/test_verify_drawn.py, refimpl/tools/sweep.py);
-  * bytes sent by the tp group in a step equal formulas.bytes_per_step exactly, by kind, and the
+  * bytes sent by the tp group in a step equal communication.bytes_per_step exactly, by kind, and the
     parameters every tp rank holds whole stay bit-for-bit equal across the group;
   * bad input: one clear line, the same on every rank.
 """

@@ -38,7 +38,7 @@ from refimpl.parallel.tensor_parallel import (
     shard_gpt,
     vocab_parallel_cross_entropy,
 )
-from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.parallel.tensor_parallel.communication import StepShape, bytes_per_step
 
 
 def gelu(z):  # refimpl's GeLU on a plain array
@@ -265,7 +265,7 @@ print(f"3N = {3 * N} numbers all-reduced: 2(t-1)/t · 3N · 8 = {3 * N * 8} byte
 # backward, so each of the (2L + 1) column-parallel layers per micro-batch (qkv and fc in each of L
 # blocks, and the output layer) costs one more all-gather of N·C. And the parameters that now see
 # only a shard of the tokens -- layer norms, the row-parallel biases, the position embedding --
-# get their gradients summed over the group, small all-reduces. `formulas.py` counts it all; one
+# get their gradients summed over the group, small all-reduces. `communication.py` counts it all; one
 # micro-batch of B = 2 sequences of T = 8 through a 2-block GPT of width 16, t = 2, float64:
 
 # %%
@@ -395,7 +395,7 @@ print(f"tolerance used {result['tolerance_used']:.3g}: the worst number used {10
 # one MLP and of the loss; derive the rest -- which operators of which layers all-reduce (N, C) in
 # forward and which in backward, and which belong to a stage's ends -- and use tutorial 03's ring:
 # an all-reduce of E elements sends 2E(t − 1)/t of them (t divides N and C here). The check compares
-# with `refimpl/parallel/tensor_parallel/formulas.py`, which the counters match byte for byte
+# with `refimpl/parallel/tensor_parallel/communication.py`, which the counters match byte for byte
 # (part 5), on first, middle and last stages, t from 1 to 8, and names the usual mistakes.
 
 # %%

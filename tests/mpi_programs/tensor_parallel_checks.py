@@ -26,7 +26,7 @@ from refimpl.checkpointing.actions import Restore, simulate_chain
 from refimpl.checkpointing.plans import actions_for
 from refimpl.memory import gpt_parameters
 from refimpl.parallel.comm import get_world
-from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.parallel.tensor_parallel.communication import StepShape, bytes_per_step
 from refimpl.tools.console import emit_json
 from refimpl.tools.flags import config_from_flags
 from refimpl.tools.run import build_model, build_task, make_trainer

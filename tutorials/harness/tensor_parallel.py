@@ -586,9 +586,9 @@ ALLREDUCE_CASES = [(2, 16, 16, 2, 8, True, True), (3, 12, 24, 3, 4, True, True),
 
 
 def reference_tp_allreduce_bytes(n_layer, tokens, width, t, itemsize, first, last) -> int:
-    """formulas.py's count: the bytes one rank of t sends in the all-reduces of one micro-batch's forward,
+    """communication.py's count: the bytes one rank of t sends in the all-reduces of one micro-batch's forward,
     backward and loss through `n_layer` blocks, without sequence parallelism."""
-    from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step  # noqa: PLC0415
+    from refimpl.parallel.tensor_parallel.communication import StepShape, bytes_per_step  # noqa: PLC0415
 
     shape = StepShape(tokens=tokens, width=width, blocks=n_layer, micro_batches=1, has_embedding=first, has_head=last)
     return bytes_per_step(shape, False, t, itemsize)["allreduce"]

@@ -6,7 +6,7 @@
     cross_entropy.py  the loss on vocabulary shards (3N numbers cross the group, not N·V logits)
     gpt.py            a GPT cut over a group: `shard_gpt`, `WeightSplit`, `TensorParallelGPT.whole`
     partition.py      ZeRO-R's partitioned activation checkpoints (Pa): 1/t of each kept input
-    formulas.py       bytes the group sends per step (what a rank holds: refimpl/memory.py)
+    communication.py  bytes the group sends per step (what a rank holds: refimpl/memory.py)
 
 The trainer (parallel/trainer.py) cuts the model over the mesh's tp group before it cuts it into
 pipeline stages; everything above the model (data parallelism, ZeRO, pipelines) then sees a

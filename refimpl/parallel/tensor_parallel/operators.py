@@ -24,7 +24,7 @@ sequence, C width, t the group's size; rank r of the group holds rows r·T/t .. 
 The column-parallel linear under sequence parallelism is one Function of its own
 (`gather_then_linear`): it saves only this rank's sequence shard (B, T/t, C) and all-gathers it
 again in backward to form the weight gradient, as Megatron-LM does. That second all-gather is what
-makes the stored activation 1/t of the gathered input (tensor_parallel/formulas.py's bytes and
+makes the stored activation 1/t of the gathered input (tensor_parallel/communication.py's bytes and
 memory.py's saved elements per block count it).
 """
 

@@ -283,7 +283,7 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
         _add(times.I, "compute", head / gemm_rate + 2 * N * V / t * 4 / bandwidth)
         _add(times.W, "compute", head / gemm_rate)
 
-    # Tensor parallelism: collectives of N·h elements per block (tensor_parallel/formulas.py's counts).
+    # Tensor parallelism: collectives of N·h elements per block (tensor_parallel/communication.py's counts).
     tp_group = Group.of(t, 1, cluster)
     nh = N * h * e
     if t > 1:

@@ -4,7 +4,7 @@
     mpiexec -n 2 python -m refimpl tensor-parallel --table activations --d-model 64 --seq-len 32
 
 The whole world is one tensor-parallel group of t ranks (t = the number of processes). Tables
-(refimpl/memory.py derives the activations and parameters, refimpl/parallel/tensor_parallel/formulas.py
+(refimpl/memory.py derives the activations and parameters, refimpl/parallel/tensor_parallel/communication.py
 the bytes):
 
   activations  bytes one rank saves per transformer block in the forward pass: the formula,
@@ -38,7 +38,7 @@ from refimpl.nn.models import GPT, GPTConfig
 from refimpl.optim import AdamW
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.tensor_parallel import PartitionedActivations, shard_gpt
-from refimpl.parallel.tensor_parallel.formulas import StepShape, bytes_per_step
+from refimpl.parallel.tensor_parallel.communication import StepShape, bytes_per_step
 from refimpl.parallel.trainer import Trainer
 from refimpl.tools.console import emit_json, log
 
