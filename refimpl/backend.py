@@ -73,7 +73,7 @@ def set_local_rank(local_rank: int) -> None:
 
 
 def add_argument(parser) -> None:
-    """The --backend flag of every command that computes on arrays (cli.py applies it)."""
+    """The --backend flag of every command that computes on arrays (tools/cli.py applies it)."""
     parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="array module: numpy, or cupy for a GPU (default $REFIMPL_BACKEND, else numpy)")
 

@@ -5,7 +5,7 @@ Launch: mpiexec -n 2 python docs/examples/flat_allreduce_trainer.py [--average] 
 
 FlatAllReduceTrainer packs every gradient into one flat buffer and all-reduces it in one call. It
 has the interface every trainer in refimpl has (train.LocalTrainer, parallel.trainer.Trainer;
-trainer_protocol.Verifiable): step(x, y) on the global batch, returning the global loss;
+protocols.Verifiable): step(x, y) on the global batch, returning the global loss;
 full_parameters(); record_grads and last_grads; world_size, rank and report().
 
 Two ways to check it. `make_trainer(cfg, model, world)` is what `verify --trainer` calls: verify
