@@ -67,7 +67,7 @@ class GradientStrategy(Protocol):
         optimizer_step(blocks, total)   update (total: the global squared norm, or None)
         end_step(result)          publish the updated parameters (ZeRO-1/2's all-gather)
 
-    and, for records and checkpoints: whole(blocks) and whole_parameters() (by name, collective),
+    and, for records and checkpoints: gather_by_name(blocks) and whole_parameters() (by name, collective),
     whole_optimizer_state(), steps_taken, report(), checkpoint_pieces(stages, writes_whole),
     load_full_state(masters, states, step), and its ledger.
     """
@@ -89,7 +89,7 @@ class GradientStrategy(Protocol):
     def end_step(self, result) -> None:
         """Make every rank's parameters current (an all-gather where they are sharded)."""
 
-    def whole(self, blocks: list) -> dict:
+    def gather_by_name(self, blocks: list) -> dict:
         """{name: whole array} of gradient blocks (collective)."""
 
     def whole_parameters(self) -> dict:

@@ -203,7 +203,7 @@ HOST_BY_DESIGN = {
                             "moved with backend.asarray"),
     "parallel/tensor_parallel/gpt.py": ({"asarray", "concatenate", "moveaxis", "stack", "zeros"},
                                         "slices are cut from the host initialisation and put back together on "
-                                        "the host (WeightSplit.shard / WeightSplit.whole: construction and "
+                                        "the host (WeightSplit.shard / WeightSplit.join: construction and "
                                         "verification)"),
     "objective.py": ({"asarray"}, "counts the targets of a host batch"),
     "tools/verification.py": ({"inf"}, "an injected overflow"),

@@ -39,7 +39,7 @@ def test_split_shards_put_back_together_are_the_whole(t, parts, axis, per_rank, 
     split = WeightSplit(axis, parts, length)
     shards = [split.shard(whole, r, t) for r in range(t)]
     assert all(s.shape[axis] == padded(n, t) // t for s in shards)
-    np.testing.assert_array_equal(split.whole(shards), whole)
+    np.testing.assert_array_equal(split.join(shards), whole)
     if parts == 3:  # rank r holds its heads of q, of k and of v
         third = n // 3
         rows = np.concatenate([np.arange(j * third + 1 * third // t, j * third + 2 * third // t) for j in range(3)])

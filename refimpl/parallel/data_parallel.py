@@ -110,7 +110,7 @@ class DataParallel:
     def end_step(self, result) -> None:
         self.optimizer.zero_grad()
 
-    def whole(self, grads: list) -> dict:
+    def gather_by_name(self, grads: list) -> dict:
         return {name: backend.to_host(g).copy() for (name, _), g in zip(self.named, grads)}
 
     def whole_parameters(self) -> dict:

@@ -290,7 +290,7 @@ class Trainer:
         norm2 = self._squared_norm_with_experts(grads) if self.expert_sharding is not None and self.clip > 0 else None
         results = [strategy.optimizer_step(g, norm2) for strategy, g in zip(self.strategies, grads)]  # 5. the update
         if self.record_grads:
-            self.last_grads = self._on_rank0(self._whole([strategy.whole(result.grads)
+            self.last_grads = self._on_rank0(self._merge_by_name([strategy.gather_by_name(result.grads)
                                                           for strategy, result in zip(self.strategies, results)]))
         for strategy, result in zip(self.strategies, results):
             strategy.end_step(result)
@@ -306,7 +306,7 @@ class Trainer:
         total = dense + experts
         return self._model_parallel_norm(total) if self.pp * self.tp > 1 else total
 
-    def _whole(self, pieces: list) -> dict:
+    def _merge_by_name(self, pieces: list) -> dict:
         """{name: array} of this rank's stages from every strategy's {name: array}; with expert
         parallelism all the experts, gathered over the expert-parallel group (a diagnostic path)."""
         mine = {name: array for piece in pieces for name, array in piece.items()}
@@ -339,7 +339,7 @@ class Trainer:
     def full_parameters(self) -> dict:
         """{name: NumPy array} of the whole model (collective). Without a pipeline every rank gets
         it; with one, rank 0 (the others get {}). Mixed precision: the float32 master weights."""
-        return self._on_rank0(self._whole([strategy.whole_parameters() for strategy in self.strategies]))
+        return self._on_rank0(self._merge_by_name([strategy.whole_parameters() for strategy in self.strategies]))
 
     def full_optimizer_state(self) -> dict:
         """{"step", "arrays": {key: {name: array}}, "loss_scaler"} on rank 0 (collective; ZeRO strategies).
@@ -394,7 +394,7 @@ class Trainer:
         Without a pipeline that is whole. Stage s comes from pipeline rank primary[s] of replica 0,
         tp rank 0: one message of its arrays flattened in model order (stage_names, whole_shapes)."""
         if self.tensor_parallel is not None:
-            mine = self.tensor_parallel.whole(mine)
+            mine = self.tensor_parallel.gather_by_name(mine)
         if not self.pipelined or self.pp == 1:
             return mine
         out: dict = {}

@@ -35,8 +35,8 @@ def compare(world, tied: bool, sequence_parallel: bool) -> dict:
     with batch_rows(0, 4, 4, 0):
         loss = tp.cross_entropy(model(x), y)
         loss.backward()
-    grads = tp.whole({name: p.grad for name, p in model.named_parameters()})
-    params = tp.whole({name: p.data for name, p in model.named_parameters()})
+    grads = tp.gather_by_name({name: p.grad for name, p in model.named_parameters()})
+    params = tp.gather_by_name({name: p.data for name, p in model.named_parameters()})
     whole = reference.state_dict()
     worst = max(float(np.max(np.abs(grads[name] - p.grad)) / np.max(np.abs(p.grad)))
                 for name, p in reference.named_parameters())

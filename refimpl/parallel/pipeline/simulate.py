@@ -263,13 +263,13 @@ def step_times(schedule: Schedule, costs: Costs, latency=0, exchanges=None,
                overlap: bool = True) -> list[list[tuple[Fraction, Fraction, Step]]]:
     """Start and end of every step, rank by rank. Raises Deadlock if the lists cannot all finish.
     A message arrives latency + costs.P after its send; `exchanges` and `overlap`: the chunk model."""
-    latency = _whole(_frac(latency) + costs.P)
+    latency = _int_if_integral(_frac(latency) + costs.P)
     durations: dict = {}  # (kinds and stages of a step) -> its duration
 
     def duration(step: Step) -> Fraction:
         key = (step.kind, tuple((a.kind, a.stage) for a in step.parts))
         if key not in durations:
-            durations[key] = _whole(run_step(step, costs, exchanges, overlap).duration)
+            durations[key] = _int_if_integral(run_step(step, costs, exchanges, overlap).duration)
         return durations[key]
 
     done: dict[tuple[str, int, int], Fraction] = {}  # (kind, stage, mb) -> end time
@@ -304,7 +304,7 @@ def step_times(schedule: Schedule, costs: Costs, latency=0, exchanges=None,
     return [[(Fraction(start), Fraction(end), step) for start, end, step in iv] for iv in intervals]
 
 
-def _whole(x: Fraction):
+def _int_if_integral(x: Fraction):
     """A whole number as an int: integer costs then run in int arithmetic, many times faster than
     Fraction's, and still exact (step_times hands back Fractions either way)."""
     return int(x) if x.denominator == 1 else x

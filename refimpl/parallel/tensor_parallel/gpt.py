@@ -62,7 +62,7 @@ class WeightSplit:
         blocks = a.reshape((self.parts, t, len(a) // (self.parts * t)) + a.shape[1:])  # (parts, t, n, …)
         return np.moveaxis(blocks[:, r].reshape((-1,) + a.shape[1:]), 0, self.axis).copy()
 
-    def whole(self, shards: list):
+    def join(self, shards: list):
         """The whole array from every rank's slice, in rank order (the padding dropped)."""
         s = [np.moveaxis(np.asarray(x), self.axis, 0) for x in shards]
         rest = s[0].shape[1:]
@@ -98,7 +98,7 @@ class TensorParallelGPT:
         """The names among `names` of parameters held whole on every rank (counted once in a norm)."""
         return [name for name in names if name not in self.splits]
 
-    def whole(self, arrays: dict) -> dict:
+    def gather_by_name(self, arrays: dict) -> dict:
         """{name: whole array} from this rank's {name: slice} (collective over the group; every rank
         gets the result). One all-gather of every split array, flattened in the dict's order."""
         split = [name for name in arrays if name in self.splits]
@@ -110,7 +110,7 @@ class TensorParallelGPT:
         out, offset = dict(arrays), 0
         for name in split:
             size, shape = host[name].size, host[name].shape
-            out[name] = self.splits[name].whole([gathered[k, offset:offset + size].reshape(shape)
+            out[name] = self.splits[name].join([gathered[k, offset:offset + size].reshape(shape)
                                                  for k in range(self.size)])
             offset += size
         return out

@@ -127,7 +127,9 @@ class ZeroStage1(ZeroStrategy):
     # -- records (strategy.py) --------------------------------------------------------------------------
     def whole_parameters(self) -> dict:
         """{name: NumPy array} (collective); the float32 master weights under mixed precision."""
-        return self.whole(self.optimizer.masters) if self.scaler is not None else self._arrays_by_name(self.param_flats)
+        if self.scaler is not None:
+            return self.gather_by_name(self.optimizer.masters)
+        return self._arrays_by_name(self.param_flats)
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
         """Set master weights, parameters and optimizer state from whole flattened arrays by name."""

@@ -283,7 +283,7 @@ class ZeroStage3(ZeroStrategy):
     def whole_parameters(self) -> dict:
         """{name: NumPy array} (collective); the float32 master weights under mixed precision."""
         if self.scaler is not None:
-            return self.whole(self.optimizer.masters)
+            return self.gather_by_name(self.optimizer.masters)
         return self._arrays_by_name([self._whole_copy(group) for group in self.groups])
 
     def _whole_copy(self, group):

@@ -75,7 +75,7 @@ class ZeroStrategy:
         return self.optimizer.squared_norm(blocks)
 
     # -- records ------------------------------------------------------------------------------------
-    def whole(self, blocks: list) -> dict:
+    def gather_by_name(self, blocks: list) -> dict:
         """{name: whole array on the host} from every group's block on every rank (all-gather; collective)."""
         whole = {}
         for group, block in zip(self.groups, blocks):
@@ -103,7 +103,8 @@ class ZeroStrategy:
     def whole_optimizer_state(self) -> dict:
         """{"step", "arrays": {state key: {name: whole array}}, "loss_scaler"} (collective when sharded)."""
         keys = self.optimizer.state_arrays(0).keys() if self.groups else ()
-        arrays = {key: self.whole([self.optimizer.state_arrays(g.index)[key] for g in self.groups]) for key in keys}
+        arrays = {key: self.gather_by_name([self.optimizer.state_arrays(g.index)[key] for g in self.groups])
+                  for key in keys}
         return {"step": self.optimizer.steps_taken, "arrays": arrays,
                 "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
 
