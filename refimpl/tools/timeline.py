@@ -1,6 +1,6 @@
 """The measured timeline of a pipeline step, set beside the simulator's prediction.
 
-`install(trainer, action_costs, trace)` makes a `Timeline` the observer of the trainer's pipeline
+`install(trainer, action_costs, trace)` makes a `MeasuredTimeline` the observer of the trainer's pipeline
 executor (parallel/pipeline/executor.py, Observer). Every rank records the start and end of each
 of its steps on its own clock (pacing.py), counted from the moment it left a barrier with the
 other ranks of its pipeline. From one step:
@@ -68,7 +68,7 @@ STAT_FIELDS = ("end", "busy", "overruns", "peak_bytes", "replay_peak_w", "replay
     "exposed_pipeline", "exposed_all_to_all", "exchanges")
 
 
-class Timeline(Pacing):
+class MeasuredTimeline(Pacing):
     """The observer of a pipelined Trainer's executor: each run paced and timed (pacing.Pacing),
     then every pipeline rank's figures of the step gathered (stats: (pp, len(STAT_FIELDS))), and
     with `trace` the steps and events too (steps_by_rank, events_by_rank), written by rank 0 as a
@@ -110,11 +110,11 @@ def install(trainer, action_costs=None, trace: str | None = None) -> Pacing | No
     """Watch a Trainer's pipeline runs (its executor's observer); returns the observer, or None.
 
     action_costs: --action-costs text or simulate.Costs (None: compute mode). A pipelined trainer
-    gets a Timeline (its report and trace); one without a pipeline, with costs, a Pacing (its
+    gets a MeasuredTimeline (its report and trace); one without a pipeline, with costs, a Pacing (its
     steps padded to the costs, nothing reported)."""
     costs = parse_costs(action_costs) if action_costs is None or isinstance(action_costs, str) else action_costs
     if trainer.pipelined:
-        trainer.executor.observer = Timeline(trainer, costs, trace)
+        trainer.executor.observer = MeasuredTimeline(trainer, costs, trace)
     elif costs is not None:
         trainer.executor.observer = Pacing(costs)
     else:
@@ -342,5 +342,5 @@ def describe_costs(costs: Costs | None) -> str:
     return f"sleep ({parts} s)"
 
 
-__all__ = ["Timeline", "install", "replay_peak", "STAT_FIELDS", "rank_stats", "measured_costs", "summarize",
+__all__ = ["MeasuredTimeline", "install", "replay_peak", "STAT_FIELDS", "rank_stats", "measured_costs", "summarize",
            "chrome_trace", "write_trace", "parse_costs", "describe_costs", "exposed_summary", "simulate_configured"]
