@@ -248,7 +248,7 @@ class MailboxComm(commlib.Comm):
     def _test_all(self, handles):
         return all([h is None or h.test() for h in handles])
 
-    def _wait_all(self, handles, what="wait"):
+    def _wait_all(self, handles, what="wait", peer=None):
         if not self._test_all(handles):
             raise RuntimeError(f"{what}: a message from a rank that has not sent it yet")
 

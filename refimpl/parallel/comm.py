@@ -224,9 +224,10 @@ class Request:
     communicator (one step for an MPI built-in, N - 1 or 2(N - 1) steps for a ring collective).
     """
 
-    def __init__(self, comm: Comm, steps, result=None, kind: str = "wait"):
+    def __init__(self, comm: Comm, steps, result=None, kind: str = "wait", peer: int | None = None):
         self._comm = comm
         self.kind = kind  # what a wait on it waits for, as the watchdog reports it
+        self.peer = peer  # a point-to-point request's peer, by its rank in `comm` (the guard names it)
         self._steps = iter(steps)
         self._pending = None
         self.done = False
@@ -248,7 +249,7 @@ class Request:
     def wait(self):
         """Block until complete; returns `result` (the output buffer, or None)."""
         while not self.done:
-            self._comm._wait_all(self._pending, self.kind)
+            self._comm._wait_all(self._pending, self.kind, self.peer)
             self._advance()
         return self.result
 
@@ -583,12 +584,12 @@ class Comm:
     def isend(self, buf, dest: int, tag: int = 0) -> Request:
         flat = self._p2p(buf, dest, tag, "dest", writable=False)
         self.counters.record("send", flat.nbytes)
-        return Request(self, [[self._post_send(flat, dest, tag)]], buf, f"wait for isend to rank {dest}")
+        return Request(self, [[self._post_send(flat, dest, tag)]], buf, "wait for isend", peer=dest)
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
         flat = self._p2p(buf, source, tag, "source", writable=True)
         self.counters.record("recv")
-        return Request(self, [[self._post_recv(flat, source, tag)]], buf, f"wait for irecv from rank {source}")
+        return Request(self, [[self._post_recv(flat, source, tag)]], buf, "wait for irecv", peer=source)
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int | None = None):
         """Send to dest and receive from source at once (no deadlock in a shift); returns recvbuf."""
@@ -642,7 +643,7 @@ class Comm:
     #     on which alltoall / alltoallv are called
     # _post_send / _post_recv(flat, peer, tag, internal=False): start a message, return a handle
     # _send / _recv(flat, peer, tag): blocking point-to-point
-    # _test_all(handles) -> bool, _wait_all(handles, what="wait")
+    # _test_all(handles) -> bool, _wait_all(handles, what="wait", peer=None)
     # _allgather_bytes(payload) -> list[bytes], _bcast_bytes(payload, root) -> bytes
     # split(color, key=None) -> Comm | None, abort(code, message), world_rank, node_size()
 
@@ -773,8 +774,8 @@ class MPIComm(Comm):
         _guard.progress()
         return True
 
-    def _wait_all(self, handles, what: str = "wait") -> None:
-        with self._waits(what):
+    def _wait_all(self, handles, what: str = "wait", peer: int | None = None) -> None:
+        with self._waits(what, peer):
             self._MPI.Request.Waitall(staging.mpi_requests(handles))
         staging.completed(handles)
 
@@ -908,7 +909,7 @@ class LocalComm(Comm):
     def _test_all(self, handles) -> bool:
         return all([h is None or h.test() for h in handles])
 
-    def _wait_all(self, handles, what: str = "wait") -> None:
+    def _wait_all(self, handles, what: str = "wait", peer: int | None = None) -> None:
         if not self._test_all(handles):
             raise RuntimeError("deadlock: a one-process world waits for a message to itself that was never sent")
 

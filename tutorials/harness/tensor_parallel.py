@@ -171,7 +171,7 @@ class ThreadComm(Comm):
     def _test_all(self, handles) -> bool:
         return True  # every collective here completes when it is called
 
-    def _wait_all(self, handles, what: str = "wait") -> None:
+    def _wait_all(self, handles, what: str = "wait", peer: int | None = None) -> None:
         return None
 
     def _unsupported(self, *args, **kwargs):

@@ -236,10 +236,11 @@ def check_timeout(seconds: float) -> float:
 
 
 def describe_wait(comm, kind: str, peer: int | None) -> str:
-    """'allreduce over ranks 0-3', 'recv from rank 2 (of ranks 2, 3)': world ranks throughout."""
+    """'allreduce over ranks 0-3', 'recv from rank 2', 'wait for isend to rank 3': world ranks
+    throughout (`peer` is a rank of `comm`, translated here)."""
     ranks = getattr(comm, "world_ranks", None) or tuple(range(comm.size))
     if peer is not None:
-        return f"{kind} {'to' if kind.startswith('send') else 'from'} rank {ranks[peer]}"
+        return f"{kind} {'to' if 'send' in kind else 'from'} rank {ranks[peer]}"
     return f"{kind} over {_ranks(ranks, 'rank')}"
 
 
