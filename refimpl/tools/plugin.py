@@ -20,7 +20,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from refimpl.parallel.pipeline.actions import Schedule
+from refimpl.parallel.pipeline.actions import Action, Overlapped, Schedule
 from refimpl.parallel.pipeline.schedules import build
 from refimpl.parallel.pipeline.validate import ScheduleError, validate
 
@@ -65,6 +65,9 @@ def load_function(spec: str, flag: str, example: str):
             module = importlib.import_module(module_name)
     except ValueError:
         raise
+    except SystemExit as exc:  # sys.exit() at import: the plug-in's failure, not the end of the run
+        raise ValueError(f"{flag} {spec!r}: importing {module_name} called sys.exit({exc.code!r}); a plug-in "
+                         "module defines functions and must not exit") from None
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see, in one line
         message = str(exc).splitlines()[0] if str(exc) else ""
         raise ValueError(f"{flag} {spec!r}: cannot import {module_name}: {type(exc).__name__}: {message}") from None
@@ -103,6 +106,9 @@ def build_plugin_schedule(spec: str, pp: int, micro_batches: int, chunks: int | 
                             f"{exc}") from None
     except ValueError as exc:  # its own constraints, as the built-ins raise them
         raise ValueError(f"--schedule {spec!r}: {exc}") from None
+    except SystemExit as exc:  # sys.exit(0) must not pass for --help or a finished run
+        raise ValueError(f"--schedule {spec!r}: {function}(pp={pp}, micro_batches={micro_batches}, chunks={chunks}) "
+                         f"called sys.exit({exc.code!r}); a schedule generator returns a Schedule") from None
     except Exception as exc:  # noqa: BLE001 - the student's bug, in one line
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ValueError(f"--schedule {spec!r}: {function}(pp={pp}, micro_batches={micro_batches}, chunks={chunks}) "
@@ -111,6 +117,7 @@ def build_plugin_schedule(spec: str, pp: int, micro_batches: int, chunks: int | 
         raise ValueError(f"--schedule {spec!r}: {function} returned a {type(schedule).__name__}, not a Schedule; "
                          f"build one with make_schedule(name, pp, micro_batches, placement, ranks) "
                          f"(refimpl.parallel.pipeline)")
+    _check_steps(spec, function, schedule)
     if schedule.pp != pp or schedule.micro_batches != micro_batches:
         raise ValueError(f"--schedule {spec!r}: asked for pp={pp}, micro-batches={micro_batches}, {function} returned "
                          f"a schedule for pp={schedule.pp}, micro-batches={schedule.micro_batches}")
@@ -120,6 +127,22 @@ def build_plugin_schedule(spec: str, pp: int, micro_batches: int, chunks: int | 
         raise ScheduleError(f"--schedule {spec!r}: invalid schedule for pp={pp}, micro-batches={micro_batches}: "
                             f"{exc}") from None
     return schedule
+
+
+def _check_steps(spec: str, function: str, schedule: Schedule) -> None:
+    """Every rank's list holds Actions and Overlapped pairs: else one line naming the first bad step."""
+    try:
+        lists = [list(steps) for steps in schedule.ranks]
+    except TypeError:
+        raise ValueError(f"--schedule {spec!r}: {function} returned a Schedule whose ranks are "
+                         f"{type(schedule.ranks).__name__}, not one list of steps per rank") from None
+    for rank, steps in enumerate(lists):
+        for position, step in enumerate(steps):
+            if not isinstance(step, (Action, Overlapped)) or (
+                    isinstance(step, Overlapped) and not all(isinstance(a, Action) for a in (step.f, step.b))):
+                shown = repr(step) if len(repr(step)) <= 40 else repr(step)[:37] + "..."
+                raise ValueError(f"--schedule {spec!r}: rank {rank}'s step {position} is {type(step).__name__} "
+                                 f"{shown}, not an Action or an Overlapped pair of Actions (refimpl.parallel.pipeline)")
 
 
 def build_executable_schedule(spec: str, pp: int, micro_batches: int, chunks: int | None = None) -> Schedule:

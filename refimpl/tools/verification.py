@@ -70,7 +70,11 @@ def build_trainer(cfg, world, factory=None, model=None):
     model = build_model(cfg, build_task(cfg)) if model is None else model
     if factory is None:
         return make_trainer(cfg, model, world, distributed=True)
-    trainer = factory(cfg, model, world)
+    try:
+        trainer = factory(cfg, model, world)
+    except SystemExit as exc:  # sys.exit() in a plug-in is its failure, never a finished run
+        raise ValueError(f"--trainer: {getattr(factory, '__name__', 'the factory')}(cfg, model, world) called "
+                         f"sys.exit({exc.code!r}); it returns a trainer") from None
     lacking = missing(trainer, Verifiable)
     if lacking:
         raise ValueError(f"--trainer: {type(trainer).__name__} lacks {', '.join(lacking)} of the trainer protocol "
@@ -103,6 +107,28 @@ class _InjectInf:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _check_records(trainer, loss, params) -> None:
+    """What a trainer hands verify must be what the protocol says (protocols.Verifiable): a bad
+    return value is one line naming the member and what it returned, not a traceback deep inside."""
+    name = type(trainer).__name__
+    if isinstance(loss, bool) or not isinstance(loss, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name}.step returned {type(loss).__name__} {_shown(loss)}; it returns the global "
+                         "batch's loss, a number")
+    for member, records in (("full_parameters()", params), ("last_grads", trainer.last_grads)):
+        if not isinstance(records, dict):
+            raise ValueError(f"{name}.{member} is {type(records).__name__} {_shown(records)}; it is a dict "
+                             "{parameter name: array} on rank 0")
+        for key, array in records.items():
+            if not isinstance(key, str) or not hasattr(array, "shape"):
+                raise ValueError(f"{name}.{member}[{key!r}] is {type(array).__name__} {_shown(array)}; each entry "
+                                 "is a parameter's name and a NumPy array")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _skipped(trainer) -> int:
@@ -168,6 +194,7 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         params = trainer.full_parameters()
         state = trainer.full_optimizer_state() if mixed else None  # for the lockstep reference
         if world.rank == 0:
+            _check_records(trainer, loss, params)
             recorded.append({"loss": loss, "grads": trainer.last_grads, "params": params, "state": state,
                              "skipped": _skipped(trainer) > skipped_before})
 
