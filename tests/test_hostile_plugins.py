@@ -33,6 +33,10 @@ PLUGIN = textwrap.dedent('''
     def not_lists(pp, m, chunks=None):
         return replace(SCHEDULES["1f1b"](pp, m), ranks=7)
 
+    def sleeps(pp, m, chunks=None):
+        import time
+        time.sleep(1000)
+
     def later_string(pp, m, chunks=None):
         built = SCHEDULES["1f1b"](pp, m)
         return replace(built, ranks=(built.ranks[0], built.ranks[1][:-1] + ("B3",)))
@@ -110,3 +114,13 @@ def test_a_trainer_whose_records_are_not_the_protocols_is_named(tmp_path, broken
                        "--d-model", "8", "--n-head", "2", "--seq-len", "8"], timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     one_error_line(done, expected)
+
+
+def test_a_plugin_that_computes_forever_on_every_rank_ends_at_the_timeout(plugin):
+    """--timeout covers computation as well as waits: every rank sleeps inside the plug-in (no rank
+    waits in MPI), and the watchdog still ends the job, naming where each rank is."""
+    done = run_mpi(2, ["-m", "refimpl", "train", "--pp", "2", "--schedule", f"{plugin}:sleeps", "--steps", "1",
+                       "--timeout", "2"], timeout=60)  # a safety net: the watchdog ends it in < timeout + 10 s
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Every rank computes without reaching a progress point" in done.stderr, done.stderr
+    assert "in sleeps" in done.stderr and "rank 0" in done.stderr and "rank 1" in done.stderr

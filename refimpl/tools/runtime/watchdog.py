@@ -12,8 +12,9 @@ How it works:
     which the training loops call after each step, verify's single-process reference after each of
     its steps, checkpoints after each file and the pipeline executor after each action.
   * A daemon thread on every rank wakes every POLL_S seconds. It answers the other ranks' questions,
-    and once its own main thread has waited `timeout` seconds in one call it asks every rank, over a
-    private duplicate of COMM_WORLD: "what are you doing, and when did you last make progress?"
+    and once its own main thread has waited `timeout` seconds in one call, or has computed for
+    `timeout` seconds since its last progress point, it asks every rank, over a private duplicate
+    of COMM_WORLD: "what are you doing, and when did you last make progress?"
     A rank answers "waiting in <call> for <s> seconds" or "running at <file:line in function>,
     last progress <s> ago"; a rank that does not answer within ANSWER_S is stopped, gone, or holds
     Python's GIL in one long C call.
@@ -28,7 +29,12 @@ How it works:
         Waiting: ranks 0, 1 in allreduce over ranks 0-3 (for 300 s). If a step really takes this
         long, raise --timeout (0 turns the watchdog off).
 
-    Otherwise it asks again every RECHECK_S seconds.
+    Otherwise it asks again every RECHECK_S seconds. When every rank computes (a plug-in that loops
+    or sleeps, a step longer than the timeout), the report says so and where each rank is. The
+    timeout counts from each rank's last progress point, so one action (or one step of verify's
+    reference) that computes longer than `--timeout` is reported as a hang: raise --timeout for
+    such runs. A rank stuck inside one C call (a huge matrix product) holds Python's GIL and cannot
+    answer, nor be interrupted: it is reported as silent and the job is aborted.
 
 Bound: a hang is reported at most timeout + RECHECK_S + ANSWER_S + POLL_S + LOWER_RANK_FIRST_S
 (< timeout + 10 s) after the last moment any rank made progress. When several ranks see the hang,
@@ -171,18 +177,20 @@ class Watchdog:
         next_check = 0.0
         while not self._stop.wait(POLL_S):
             self._answer_queries()
-            wait = self._wait
-            if wait is None or not self.timeout_s:
+            if not self.timeout_s:
                 continue
+            wait, progress_at = self._wait, self.progress_at
+            # stalled since: the start of this rank's wait, or, while it computes, its last progress point
+            stalled_since = wait[3] if wait is not None else progress_at
             now = time.monotonic()
-            if now - wait[3] < self.timeout_s or now < next_check:
+            if now - stalled_since < self.timeout_s or now < next_check:
                 continue
             answers = self._ask_everyone()
             report = verdict(answers, self.size, self.timeout_s)
-            if report is not None and any(r < self.rank and a.get("waited", 0) >= self.timeout_s
-                                          for r, a in answers.items()):
+            if report is not None and any(r < self.rank and _stalled(a, self.timeout_s) for r, a in answers.items()):
                 self._stop.wait(LOWER_RANK_FIRST_S)  # a lower rank reports the same hang: one report
-            if report is not None and self._wait is wait and not self._stop.is_set():
+            unchanged = self._wait is wait and self.progress_at == progress_at
+            if report is not None and unchanged and not self._stop.is_set():
                 sys.stderr.write(f"[rank {self.rank}] {report}\n")
                 sys.stderr.flush()
                 self._abort(1)
@@ -227,6 +235,13 @@ class Watchdog:
         return answers
 
 
+def _stalled(answer: dict, timeout_s: float) -> bool:
+    """Whether a rank's answer shows it stalled: waiting, or computing without progress, for timeout_s."""
+    if "waiting" in answer:
+        return answer["waited"] >= timeout_s
+    return answer["progress_age"] >= timeout_s
+
+
 def check_timeout(seconds: float) -> float:
     """--timeout's value, or a ValueError that says what it must be."""
     if not 0 <= seconds < float("inf"):  # NaN fails too
@@ -265,8 +280,11 @@ def verdict(answers: dict[int, dict], size: int, timeout_s: float) -> str | None
             by_call.setdefault(a["waiting"], []).append(r)
     waits = "; ".join(f"{_ranks(ranks, 'rank')} in {call} (for {max(answers[r]['waited'] for r in ranks):.0f} s)"
                       for call, ranks in by_call.items())
-    head = (f"watchdog: no progress for {timeout_s:g} s. "
-            + (f"Did not arrive: {'; '.join(absent)}. " if absent else "Every rank waits: a deadlock. ")
+    if running and not silent and not by_call:
+        arrived = f"Every rank computes without reaching a progress point: {'; '.join(absent)}. "
+    else:
+        arrived = f"Did not arrive: {'; '.join(absent)}. " if absent else "Every rank waits: a deadlock. "
+    head = (f"watchdog: no progress for {timeout_s:g} s. " + arrived
             + (f"Waiting: {waits}. " if waits else ""))
     return head + "If a step really takes this long, raise --timeout (0 turns the watchdog off)."
 
