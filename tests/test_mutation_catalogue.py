@@ -27,7 +27,7 @@ REQUIRED_AREAS = {"ring collectives", "DDP buckets", "DDP accumulation", "ZeRO-1
 ALGORITHMS = ("refimpl/parallel/ring.py", "refimpl/parallel/data_parallel.py", "refimpl/parallel/zero/",
               "refimpl/parallel/pipeline/", "refimpl/checkpointing/", "refimpl/autograd/", "refimpl/nn/",
               "refimpl/optim/", "refimpl/parallel/trainer.py", "refimpl/parallel/tensor_parallel/",
-              "refimpl/parallel/experts.py", "refimpl/tools/cluster/")
+              "refimpl/parallel/experts.py", "refimpl/tools/cluster/", "refimpl/tools/saved_runs/fingerprint.py")
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git applies the patches")
 
