@@ -1,12 +1,19 @@
 """Exposed communication (issue 17, item 4): the simulator's chunk model against hand-derived numbers,
 the executor's observer Pacing (chunk pacing, delayed all-to-alls and messages), the lanes picture, and in
 sleep-cost + link-delay mode over MPI: the fields are reported, the delays change no number and
-the all-to-alls counted are the simulator's. (Measured against simulated within 10 % is
-benchmarks/bench_overlap.py's job: these machines are too noisy for a CI assertion.)"""
+the all-to-alls counted are the simulator's.
+
+No test here depends on speed (issue 26, item 6): on the real clock they assert only what holds
+under any delay (orders, counts, lower bounds -- a sleep or a delay only overshoots -- and the
+simulator's exact figures); Pacing's exact figures are checked on a virtual clock. Measured against
+simulated within 10 % is benchmarks/bench_overlap.py's job, and benchmarks/suite_under_load.sh runs
+the suite beside CPU-bound processes."""
 
 import json
+import math
 import time
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -131,10 +138,36 @@ class Executor:
     stages = {0: None, 3: None}
 
 
-def test_pacing_pads_chunks_and_delays_all_to_alls_in_an_interleaved_step():
+class VirtualClock:
+    """Pacing's clock with time.sleep advancing it: no real time passes, so a paced run lasts exactly
+    its costs and delays (computation takes no time here), as in the simulator."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert seconds > 0
+        self.now += seconds
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch):
+    clock = VirtualClock()
+    monkeypatch.setattr("refimpl.tools.pacing.time", SimpleNamespace(sleep=clock.sleep, perf_counter=clock))
+    return clock
+
+
+ROUNDING = 1e-9  # seconds: float rounding of times taken as differences from t0, not a tolerance for speed
+
+
+def run_paced_fb(clock=time.perf_counter):
     """The simulator's FB example in milliseconds (F = 30 ms, B = 60 ms, A = 15 ms), run by two tasks
     as the executor runs an overlapped F&B step: each action's all-to-alls through its all_to_all."""
-    pacing = Pacing(Costs(F=Fraction(3, 100), I=Fraction(3, 100), W=Fraction(3, 100), A=Fraction(15, 1000)), TWO)
+    costs = Costs(F=Fraction(3, 100), I=Fraction(3, 100), W=Fraction(3, 100), A=Fraction(15, 1000))
+    pacing = Pacing(costs, TWO, clock=clock)
     pacing.run_started(Executor())
     interleaver = Interleaver()
 
@@ -147,22 +180,72 @@ def test_pacing_pads_chunks_and_delays_all_to_alls_in_an_interleaved_step():
 
     with pacing.step(FB):
         interleaver.run(lambda: task(FB.f), lambda: task(FB.b))
+    return pacing
+
+
+def test_pacing_follows_the_simulators_chunk_model_exactly_on_a_virtual_clock(virtual_clock):
+    """With a clock that only sleeps advance, Pacing's step, chunks and waits are the simulator's
+    run_step figures to the last bit of float rounding: 100 ms, 10 ms exposed, the same segments.
+    No wall clock is read, so this holds under any load."""
+    pacing = run_paced_fb(virtual_clock)
+    run = run_step(FB, Costs(F=Fraction(3, 100), I=Fraction(3, 100), W=Fraction(3, 100), A=Fraction(15, 1000)),
+                   TWO, overlap=True)
+    (step,) = pacing.steps
+    assert pacing.exchanges == run.exchanges == 4 and step.kind == "F&B" and len(step.parts) == 2
+    assert step.end - step.start == pytest.approx(float(run.duration), abs=1e-12)  # 0.100
+    assert pacing.exposed["all_to_all"] == pytest.approx(float(run.exposed), abs=1e-12)  # 0.010
+    assert pacing.overruns == 0
+    for lane in ("compute", "wait"):  # Pacing also records the waits that found the all-to-all complete (empty)
+        measured = [t for name, _, start, end in pacing.events if name == lane and end > start for t in (start, end)]
+        simulated = [float(t) for s in run.segments if s.lane == lane for t in (s.start, s.end)]
+        assert measured == pytest.approx(simulated, abs=1e-12), lane
+    assert [label for lane, label, *_ in pacing.events if lane == "compute"] == [
+        s.label for s in run.segments if s.lane == "compute"]
+
+
+def test_pacing_pads_chunks_and_delays_all_to_alls_in_an_interleaved_step():
+    """The same step on the real clock: what holds under any delay. Sleeps only overshoot and an
+    all-to-all never completes before A after its start, so the step lasts at least the simulated
+    100 ms; the counts and the order of the chunks are those of the chunk model; every wait is
+    non-negative. (How close measured comes to simulated is benchmarks/bench_overlap.py's figure.)"""
+    pacing = run_paced_fb()
     (step,) = pacing.steps
     assert pacing.exchanges == 4 and step.kind == "F&B" and len(step.parts) == 2
-    assert 0.100 <= step.end - step.start < 0.140  # 100 ms simulated; sleeps only overshoot
-    assert 0.005 <= pacing.exposed["all_to_all"] < 0.030  # 10 ms simulated (less when a chunk overslept)
-    lanes = {lane for lane, *_ in pacing.events}
-    assert lanes == {"compute", "all_to_all", "wait"}
-    assert sum(1 for lane, *_ in pacing.events if lane == "compute") == 6
+    assert step.end - step.start >= 0.100 - ROUNDING  # 100 ms simulated; sleeps only overshoot
+    assert pacing.exposed["all_to_all"] >= 0 and pacing.exposed["pipeline"] == 0
+    assert {lane for lane, *_ in pacing.events} == {"compute", "all_to_all", "wait"}
+    compute = [(label, start, end) for lane, label, start, end in pacing.events if lane == "compute"]
+    assert [label for label, *_ in compute] == ["F3 1/3", "B1 1/3", "F3 2/3", "B1 2/3", "F3 3/3", "B1 3/3"]
+    assert all(start <= end <= later for (_, start, end), (_, later, _) in zip(compute, compute[1:]))  # one at a time
+    for lane, _, start, end in pacing.events:
+        if lane == "all_to_all":
+            assert end - start >= 0.015 - ROUNDING  # completes no earlier than A after its start
+        assert 0 <= start <= end
 
 
-def test_pacing_delivers_a_message_its_delay_after_the_send_time_it_carries():
+def test_pacing_delivers_a_message_its_delay_after_the_send_time_it_carries(virtual_clock):
+    """A message sent at t0 with P = 20 ms, on a virtual clock: the receiver's wait is exactly 20 ms,
+    and the message lane shows it in flight from its send time to its delivery."""
+    pacing = Pacing(Costs(F=1, I=1, W=1, P=Fraction(2, 100)), clock=virtual_clock)
+    pacing.run_started(Executor())
+    assert pacing.trailer == 1 and pacing.stamp(None) == [0.0]  # the send time, since t0
+    buf = pacing.receive_wait(Done([1.0, 0.0]), Message("act", 0, 1, 0, 1, 0))  # sent at t0, P = 20 ms
+    assert buf == [1.0, 0.0] and virtual_clock.now == pytest.approx(0.02) and pacing.exposed["pipeline"] == 0.02
+    assert [e[0] for e in pacing.events] == ["message", "pipeline"]
+    assert [t for e in pacing.events for t in e[2:]] == pytest.approx([0, 0.02, 0, 0.02])
+
+
+def test_on_the_real_clock_a_message_is_never_delivered_before_its_delay():
+    """The same message on the real clock: the receiver's wait ends no earlier than t0 + P, however
+    late the receive is called or the sleep wakes (delays only overshoot)."""
     pacing = Pacing(Costs(F=1, I=1, W=1, P=Fraction(2, 100)))
     pacing.run_started(Executor())
-    assert pacing.trailer == 1 and 0 <= pacing.stamp(None)[0] < 0.01  # the send time, since t0
-    buf = pacing.receive_wait(Done([1.0, 0.0]), Message("act", 0, 1, 0, 1, 0))  # sent at t0, P = 20 ms
-    assert buf == [1.0, 0.0] and time.perf_counter() - pacing.t0 >= 0.02 and pacing.exposed["pipeline"] >= 0.019
-    assert [e[0] for e in pacing.events] == ["message", "pipeline"]
+    sent = pacing.stamp(None)[0]
+    assert 0 <= sent <= time.perf_counter() - pacing.t0
+    buf = pacing.receive_wait(Done([1.0, 0.0]), Message("act", 0, 1, 0, 1, 0))  # sent at t0
+    assert buf == [1.0, 0.0] and time.perf_counter() - pacing.t0 >= 0.02 - ROUNDING and pacing.exposed["pipeline"] >= 0
+    (message, blocked) = pacing.events
+    assert message[0] == "message" and blocked[0] == "pipeline" and blocked[3] >= 0.02 - ROUNDING
 
 
 def test_lanes_picture():
@@ -189,6 +272,12 @@ TIMED = [SMALL[:-2] + f.split() for f in (
 
 @pytest.mark.mpi
 def test_sleep_cost_and_link_delay_mode_reports_exposed_communication(tmp_path):
+    """What holds under any delay: the delays change no number; the reported fields are present, per
+    rank, finite and non-negative; the all-to-alls counted are the simulator's; the simulator's own
+    figures are exact (F then B: every all-to-all exposed in full, n * A; the overlap: some hidden);
+    the trace has every lane. Not asserted: how much of the communication was hidden on the wall
+    clock -- a busy machine wakes sleepers late and moves that figure either way (measured within
+    10 % of simulated is benchmarks/bench_overlap.py's table, its ratio columns)."""
     path = tmp_path / "configs.json"
     path.write_text(json.dumps(TIMED))
     results = last_json(run_mpi(4, [PROGRAMS / "overlap_timing.py", path, tmp_path], timeout=300))
@@ -200,15 +289,18 @@ def test_sleep_cost_and_link_delay_mode_reports_exposed_communication(tmp_path):
         assert timing["link_delay_s"] == 0.002 and timing["all_to_all_delay_s"] == A
         assert timing["all_to_all_exchanges"] == r["simulated_exchanges"]  # 2 per MoE layer in F, B, I; none in W
         for what in ("pipeline", "all_to_all"):
-            assert len(timing[f"measured_exposed_{what}_s"]) == len(timing[f"simulated_exposed_{what}_s"]) == 2
-        assert min(timing["measured_exposed_pipeline_s"]) > 0  # the start-up wait, at least P
+            measured = timing[f"measured_exposed_{what}_s"]
+            assert len(measured) == len(timing[f"simulated_exposed_{what}_s"]) == 2
+            assert all(math.isfinite(e) and e >= 0 for e in measured), (what, measured)
+        simulated_a2a = timing["simulated_exposed_all_to_all_s"]
         hidden, simulated = timing["measured_hidden_fraction"], timing["simulated_hidden_fraction"]
+        assert math.isfinite(hidden) and hidden <= 1  # 1 - exposed / (n * A), exposed >= 0; < 0 when woken late
         if "--no-overlap" in flags or "zb1p" in flags:  # every all-to-all waited for in full
             assert simulated == 0
-            assert all(e >= 0.8 * n * A for e, n in zip(timing["measured_exposed_all_to_all_s"],
-                                                        timing["all_to_all_exchanges"]))
-        else:  # each chunk lasts at least its share, so at least the simulated part is hidden
-            assert simulated > 0 and hidden > 0.5 * simulated
+            assert simulated_a2a == pytest.approx([n * A for n in timing["all_to_all_exchanges"]])
+        else:  # the other task's chunk hides part of each all-to-all
+            assert 0 < simulated < 1
+            assert all(0 <= e < n * A for e, n in zip(simulated_a2a, timing["all_to_all_exchanges"]))
         kinds = {tuple(k) for k in r["trace"]}
         assert {(0, "chunk"), (0, "all_to_all"), (0, "wait"), (0, "pipeline"), (0, "message"),
                 (2, "all_to_all"), (2, "wait"), (2, "pipeline")} <= kinds
