@@ -4,6 +4,10 @@
                                                               memory) and its TrainConfig (run.py)
     schedule_name                                             a schedule's name: built-in or your own
     add_model_arguments, describe_run                         a model on a cluster (predict, plan)
+    positive_int, non_negative_int, int_in, finite_float,     argparse `type`s of numeric flags: one set of
+    probability                                               rules (integer, finite, in range) for every command
+    add_max_work_argument, check_work                         a command's bound on its work, checked before it
+    check_writable                                            an output file, checked before the work
 
 Commands import this module, never each other.
 """
@@ -11,6 +15,8 @@ Commands import this module, never each other.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 from refimpl import backend
 from refimpl.memory import parse_bytes
@@ -30,6 +36,102 @@ def schedule_name(text: str) -> str:
     raise argparse.ArgumentTypeError(
         f"invalid choice: {text!r} (choose from {', '.join(SCHEDULES)}, or MODULE:FUNCTION / FILE.py:FUNCTION "
         f"for a schedule of your own, e.g. {SCHEDULE_EXAMPLE})")
+
+
+# --------------------------------------------------------------------------------------------
+# Numeric flags: one set of rules (the same as train's checks) for every command
+# --------------------------------------------------------------------------------------------
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(str(text).strip(), 10)
+    except ValueError:
+        shown = str(text) if len(str(text)) <= 40 else str(text)[:37] + "..."
+        raise argparse.ArgumentTypeError(f"{shown!r} is not a whole number") from None
+
+
+def int_in(lo: int | None = None, hi: int | None = None, what: str = "an integer"):
+    """argparse `type`: a whole number in [lo, hi] (either bound may be None)."""
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            if hi is None and lo == 1:
+                rule = "(>= 1)"
+            elif hi is None:
+                rule = f">= {lo}"
+            elif lo is None:
+                rule = f"<= {hi}"
+            else:
+                rule = f"between {lo} and {hi}"
+            shown = str(value) if len(str(value)) <= 40 else f"a number of {len(str(value))} digits"
+            raise argparse.ArgumentTypeError(f"must be {what} {rule}; got {shown}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+positive_int = int_in(1, what="a positive integer")
+positive_int.__name__ = "positive_int"
+non_negative_int = int_in(0, what="an integer")
+non_negative_int.__name__ = "non_negative_int"
+
+
+def finite_float(lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False):
+    """argparse `type`: a finite number in the interval from lo to hi (open ends where asked)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number; got {text}")
+        below = lo is not None and (value <= lo if lo_open else value < lo)
+        above = hi is not None and (value >= hi if hi_open else value > hi)
+        if below or above:
+            left = "any" if lo is None else (f"({lo:g}" if lo_open else f"[{lo:g}")
+            right = "" if hi is None else (f"{hi:g})" if hi_open else f"{hi:g}]")
+            rule = f"> {lo:g}" if hi is None and lo_open else f">= {lo:g}" if hi is None else f"in {left}, {right}"
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+probability = finite_float(0.0, 1.0, hi_open=True)  # train's --dropout rule: [0, 1)
+probability.__name__ = "probability"
+
+
+# --------------------------------------------------------------------------------------------
+# Bounded work: a command estimates its work units before doing it and refuses past a cap
+# --------------------------------------------------------------------------------------------
+
+
+def add_max_work_argument(p: argparse.ArgumentParser, default: int, unit: str) -> None:
+    p.add_argument("--max-work", type=positive_int, default=default, metavar="N",
+                   help=f"refuse, before starting, a run estimated at more than N {unit} (default {default:,})")
+
+
+def check_work(estimate: int, cap: int, unit: str, what: str) -> None:
+    """Raise ValueError (one line) when `estimate` work units exceed `cap`: by how much, and how to override."""
+    if estimate > cap:
+        times = estimate / cap
+        shown = f"{estimate:,}" if estimate < 10**30 else f"about 10^{len(str(estimate)) - 1}"
+        raise ValueError(f"{what} is about {shown} {unit}, {times:.3g}x the cap of {cap:,}: make it smaller, or pass "
+                         f"--max-work {estimate if estimate < 10**30 else shown} to run it anyway")
+
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: a directory, or a missing or
+    read-only folder."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: no such directory {folder}")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{flag} {path} is not writable")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,20 +240,24 @@ def config_from_flags(flags) -> TrainConfig:
 def add_model_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     """The model's flags (predict and plan share them)."""
     d = (lambda v: v) if defaults else (lambda v: None)
-    p.add_argument("--n-layer", type=int, default=d(24), help="transformer blocks (default 24)")
-    p.add_argument("--d-model", type=int, default=d(2048), help="model width h (default 2048)")
-    p.add_argument("--n-head", type=int, default=d(16), help="attention heads (default 16)")
-    p.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens (default 2048)")
-    p.add_argument("--vocab-size", type=int, default=51200, help="vocabulary (default 51200, GPT-2's padded)")
-    p.add_argument("--batch-size", type=int, default=512, help="global batch in sequences per step (default 512)")
+    p.add_argument("--n-layer", type=positive_int, default=d(24), help="transformer blocks (default 24)")
+    p.add_argument("--d-model", type=positive_int, default=d(2048), help="model width h (default 2048)")
+    p.add_argument("--n-head", type=positive_int, default=d(16), help="attention heads (default 16)")
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="sequence length in tokens (default 2048)")
+    p.add_argument("--vocab-size", type=positive_int, default=51200,
+                   help="vocabulary (default 51200, GPT-2's padded)")
+    p.add_argument("--batch-size", type=positive_int, default=512,
+                   help="global batch in sequences per step (default 512)")
     p.add_argument("--dtype", choices=DTYPES, default="mixed",
                    help="mixed: 16-bit training (P = G = 2, K = 12 bytes per parameter) (default); float32; float64")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (> 0 keeps the masks; default 0)")
+    p.add_argument("--dropout", type=probability, default=0.0,
+                   help="dropout probability, in [0, 1) (> 0 keeps the masks; default 0)")
     p.add_argument("--tie-weights", action="store_true", help="the head shares the token embedding")
-    p.add_argument("--experts", type=int, default=0, metavar="E",
+    p.add_argument("--experts", type=non_negative_int, default=0, metavar="E",
                    help="mixture of experts: E expert MLPs per MoE block")
-    p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts per token (default 2)")
-    p.add_argument("--moe-every", type=int, default=1, metavar="N", help="every N-th block has experts (default 1)")
+    p.add_argument("--top-k", type=positive_int, default=2, metavar="K", help="experts per token (default 2)")
+    p.add_argument("--moe-every", type=positive_int, default=1, metavar="N",
+                   help="every N-th block has experts (default 1)")
     p.add_argument("--cluster", default="a100-80gb",
                    help=f"a preset ({', '.join(hardware.PRESETS)}), a JSON file, or 'local' "
                         f"({hardware.LOCAL_FILE}, written by `python -m refimpl calibrate`) (default a100-80gb)")
@@ -170,5 +276,6 @@ def describe_run(r: Run) -> str:
     return text + f"; batch {r.batch_size} = {r.micro_batches} micro-batches of {r.micro_batch_size} per replica"
 
 
-__all__ = ["add_run_arguments", "config_from_args", "config_from_flags", "schedule_name", "add_model_arguments",
-           "describe_run"]
+__all__ = ["positive_int", "non_negative_int", "int_in", "finite_float", "probability", "add_max_work_argument",
+           "check_work", "check_writable", "add_run_arguments", "config_from_args", "config_from_flags",
+           "schedule_name", "add_model_arguments", "describe_run"]

@@ -37,10 +37,28 @@ field for the machine it runs on and writes them as a JSON file that --cluster r
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 MIB = 2**20
+EFFICIENCY_KEYS = ("gemm", "attention", "memory", "network", "optimizer")  # model.Efficiency's fields
+
+
+def _finite(value) -> bool:
+    """A JSON number (not a bool: True is no GPU count) that is finite as a float (not 10**400, inf, nan)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -61,15 +79,29 @@ class Cluster:
     source: str = ""
 
     def __post_init__(self):
+        for name in ("name", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"cluster: {name} must be a string; got {_shown(getattr(self, name))}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "source", "efficiency"):
                 continue
             may_be_zero = f.name in ("op_overhead", "intra_latency", "inter_latency", "peak_flops_fp64")
-            if not isinstance(value, (int, float)) or value != value or value < 0 or (value == 0 and not may_be_zero):
-                raise ValueError(f"cluster {self.name!r}: {f.name} must be a positive number; got {value!r}")
+            if not _finite(value) or value < 0 or (value == 0 and not may_be_zero):
+                rule = "a number >= 0 (finite)" if may_be_zero else "a positive number (finite)"
+                raise ValueError(f"cluster {self.name!r}: {f.name} must be {rule}; got {_shown(value)}")
         if int(self.gpus_per_node) != self.gpus_per_node:
             raise ValueError(f"cluster {self.name!r}: gpus_per_node must be a whole number; got {self.gpus_per_node}")
+        if not isinstance(self.efficiency, dict):
+            raise ValueError(f"cluster {self.name!r}: efficiency must be an object of shares, e.g. "
+                             f'{{"gemm": 0.7}}; got {_shown(self.efficiency)}')
+        for key, value in self.efficiency.items():
+            if key not in EFFICIENCY_KEYS:
+                raise ValueError(f"cluster {self.name!r}: unknown efficiency {_shown(key)} (known: "
+                                 f"{', '.join(EFFICIENCY_KEYS)})")
+            if not ((value is None and key == "optimizer") or (_finite(value) and value > 0)):
+                raise ValueError(f"cluster {self.name!r}: efficiency {key!r} must be a positive number (finite); got "
+                                 f"{_shown(value)}")
 
     def flops(self, dtype: str) -> float:
         """The arithmetic rate of `dtype` ("mixed": 16-bit tensor cores; "float32"; "float64")."""
@@ -94,6 +126,39 @@ PRESETS = {
         source="DGX H100: H100 SXM5 80GB data sheet; NVLink 4 900 GB/s bidirectional; 8 x 400 Gb/s NDR IB"),
 }
 LOCAL_FILE = "local-cluster.json"  # what `python -m refimpl calibrate` writes by default
+MAX_FILE_BYTES = 1 << 20  # a cluster file is a few hundred bytes; read at most this much
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def read_json(path: str, what: str, limit: int = MAX_FILE_BYTES):
+    """The JSON value in the regular file `path`: anything else (a FIFO, a device, a directory) refused before it is
+    opened, at most `limit` bytes read, NaN and Infinity refused; a ValueError of one line otherwise."""
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        raise ValueError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{what} {path} is not a regular file (a directory, FIFO or device); give a JSON file")
+    if info.st_size > limit:
+        raise ValueError(f"{what} {path} is {info.st_size:,} bytes, over the limit of {limit:,}; is it the right file?")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"{what} {path} is over the limit of {limit:,} bytes; is it the right file?")
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except OSError as error:
+        raise ValueError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read {what} {path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"cannot read {what} {path}: nested too deeply") from None
+    except ValueError as error:  # json.JSONDecodeError, NaN / Infinity, a number too long to convert
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"cannot read {what} {path}: {message}") from None
 
 
 def load(name_or_file: str) -> Cluster:
@@ -105,11 +170,10 @@ def load(name_or_file: str) -> Cluster:
         hint = ("run `python -m refimpl calibrate` first to measure this machine" if name_or_file == "local"
                 else f"choose a preset ({', '.join(PRESETS)}) or give a JSON file")
         raise ValueError(f"unknown cluster {name_or_file!r}: no such preset or file; {hint}")
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read cluster file {path}: {error}") from None
+    values = read_json(path, "cluster file")
+    if not isinstance(values, dict):
+        raise ValueError(f"cluster file {path}: the top level must be a JSON object of the Cluster's fields; got "
+                         f"{type(values).__name__ if not isinstance(values, list) else 'a list'}")
     known = {f.name for f in fields(Cluster)}
     unknown = sorted(set(values) - known)
     missing = sorted(f.name for f in fields(Cluster) if f.name not in values and f.default is MISSING)
@@ -118,7 +182,10 @@ def load(name_or_file: str) -> Cluster:
             ([f"unknown field(s) {', '.join(unknown)}"] if unknown else []) +
             ([f"missing field(s) {', '.join(missing)}"] if missing else [])) +
             f" (fields: {', '.join(sorted(known))})")
-    return Cluster(**values)
+    try:
+        return Cluster(**values)
+    except ValueError as error:
+        raise ValueError(f"cluster file {path}: {error}") from None
 
 
 def save(cluster: Cluster, path: str) -> None:

@@ -69,13 +69,41 @@ class Plan:
     all_points: list[tuple[float, float, bool]] = field(default_factory=list)  # (memory, estimated step, fits)
 
 
+def _tps(base: Run, gpus: int, cluster: Cluster) -> list[int]:
+    return [t for t in (2 ** i for i in range(int(math.log2(cluster.gpus_per_node)) + 1))
+            if t <= cluster.gpus_per_node and base.n_head % t == 0 and gpus % t == 0]
+
+
+DIVISOR_SEARCH_LIMIT = 10**12  # trial division up to 10^6
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n, ascending (trial division up to sqrt(n))."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def candidates_estimate(base: Run, gpus: int, cluster: Cluster) -> int:
+    """An upper bound on the candidates the search makes (`candidates`), before making any: the pipeline
+    degrees (the common divisors of the layers and gpus / tp) times every other choice."""
+    others = len(MICRO_BATCH_SIZES) * len(PLAN_SCHEDULES) * 2 * 4 * len(CHECKPOINTS)
+    total = 0
+    for tp in _tps(base, gpus, cluster):
+        g = math.gcd(base.n_layer, gpus // tp)
+        total += len(_divisors(g)) if g <= DIVISOR_SEARCH_LIMIT else 2 * math.isqrt(g)
+    return total * others
+
+
 def candidates(base: Run, gpus: int, cluster: Cluster):
     """Every Run of the search space for `base`'s model on `gpus` GPUs (module docstring)."""
-    L, heads, B = base.n_layer, base.n_head, base.batch_size
-    tps = [t for t in (2 ** i for i in range(int(math.log2(cluster.gpus_per_node)) + 1))
-           if t <= cluster.gpus_per_node and heads % t == 0 and gpus % t == 0]
-    for tp in tps:
-        for pp in (p for p in range(1, L + 1) if L % p == 0 and gpus % (tp * p) == 0):
+    L, B = base.n_layer, base.batch_size
+    for tp in _tps(base, gpus, cluster):
+        for pp in _divisors(math.gcd(L, gpus // tp)):  # pp divides the layers, and tp · pp the GPUs
             dp = gpus // (tp * pp)
             schedules = ([("1f1b", None)] if pp == 1
                          else [(s, 2 if s == "interleaved" else None) for s in PLAN_SCHEDULES])

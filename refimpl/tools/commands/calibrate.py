@@ -19,17 +19,27 @@ from refimpl.parallel.comm import get_world
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.calibrate import DEFAULT_TOKENS, DEFAULT_WIDTH, calibrate
 from refimpl.tools.console import emit_json, log
+from refimpl.tools.flags import add_max_work_argument, check_work, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=hardware.LOCAL_FILE, metavar="FILE",
                    help=f"where to write the cluster file (default {hardware.LOCAL_FILE})")
-    p.add_argument("--width", type=int, default=DEFAULT_WIDTH,
+    p.add_argument("--width", type=positive_int, default=DEFAULT_WIDTH,
                    help=f"h of the layers whose GEMMs are timed (default {DEFAULT_WIDTH})")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+    p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
                    help=f"tokens per micro-batch of those GEMMs (default {DEFAULT_TOKENS})")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and message sizes (about a second)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_max_work_argument(p, MAX_ELEMENTS, "array elements (the timed layer's activations and weights)")
+
+
+MAX_ELEMENTS = 1 << 25  # 128 MiB of float32: the timed GEMMs then take seconds, not minutes
+
+
+def elements_estimate(width: int, tokens: int) -> int:
+    """The elements of the timed layer (tokens x 4 width activations, 4 width^2 weights), before allocating them."""
+    return 4 * tokens * width + 4 * width * width
 
 
 def check(args) -> None:
@@ -37,6 +47,8 @@ def check(args) -> None:
     for name in ("width", "tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be a positive integer; got {getattr(args, name)}")
+    check_work(elements_estimate(args.width, args.tokens), args.max_work, "array elements",
+               f"calibrating at --width {args.width} --tokens {args.tokens}")
     folder = os.path.dirname(os.path.abspath(args.output))
     if os.path.isdir(args.output):
         raise ValueError(f"--output {args.output} is a directory; give a file name, e.g. {hardware.LOCAL_FILE}")

@@ -16,20 +16,30 @@ import time
 from refimpl.memory import format_bytes, parse_count
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.model import Run
-from refimpl.tools.cluster.plan import plan, shape_for, why_slower
+from refimpl.tools.cluster.plan import candidates_estimate, plan, shape_for, why_slower
 from refimpl.tools.console import emit_json, log
-from refimpl.tools.flags import add_model_arguments, describe_run
+from refimpl.tools.flags import (
+    add_max_work_argument,
+    add_model_arguments,
+    check_work,
+    check_writable,
+    describe_run,
+    positive_int,
+)
+
+MAX_CANDIDATES = 100_000  # each costs about a millisecond of the cost model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", metavar="PSI", help="model size (70B, 1T, 350M): the nearest published GPT shape; "
                    "or give --n-layer, --d-model and --n-head")
     add_model_arguments(p, defaults=False)
-    p.add_argument("--gpus", type=int, required=True, help="GPUs to plan for")
-    p.add_argument("--top", type=int, default=5, help="configurations to show (default 5)")
-    p.add_argument("--refine", type=int, default=20,
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for")
+    p.add_argument("--top", type=positive_int, default=5, help="configurations to show (default 5)")
+    p.add_argument("--refine", type=positive_int, default=20,
                    help="best candidates (by the closed forms) to predict with the schedule simulator (default 20)")
     p.add_argument("--plot", metavar="FILE", help="draw the search, memory against step time (matplotlib: .png, .svg)")
+    add_max_work_argument(p, MAX_CANDIDATES, "candidate configurations (an upper bound, counted before the search)")
 
 
 def base_run(args) -> tuple[Run, str]:
@@ -54,6 +64,10 @@ def base_run(args) -> tuple[Run, str]:
 def run(args) -> int:
     cluster = hardware.load(args.cluster)
     base, shape = base_run(args)
+    if args.plot:
+        check_writable(args.plot, "--plot")
+    check_work(candidates_estimate(base, args.gpus, cluster), args.max_work, "candidate configurations",
+               f"the search of L={base.n_layer} a={base.n_head} on {args.gpus} GPUs")
     started = time.perf_counter()
     result = plan(base, args.gpus, cluster, top=args.top, refine=args.refine)
     seconds = time.perf_counter() - started

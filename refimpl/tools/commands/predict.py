@@ -19,24 +19,36 @@ from refimpl.parallel.pipeline.schedules import SCHEDULES
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.model import CHECKPOINTS, Prediction, Run, predict
 from refimpl.tools.console import emit_json
-from refimpl.tools.flags import add_model_arguments, describe_run
+from refimpl.tools.flags import add_max_work_argument, add_model_arguments, check_work, describe_run, positive_int
+
+MAX_ACTIONS = 100_000  # pipeline actions simulated (the schedule command's cap)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--gpus", type=int, help="GPUs in all (default dp × tp × pp); must equal dp × tp × pp")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default gpus / (tp × pp), or 8 / (tp × pp))")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default 1)")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--gpus", type=positive_int, help="GPUs in all (default dp × tp × pp); must equal dp × tp × pp")
+    p.add_argument("--dp", type=positive_int,
+                   help="data-parallel degree (default gpus / (tp × pp), or 8 / (tp × pp))")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree (default 1)")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (default 1)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     p.add_argument("--checkpoint", choices=CHECKPOINTS, default="none",
                    help="activation recomputation: none, selective (attention cores), full (every block) "
                         "(default none)")
     p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="pipeline schedule (default 1f1b)")
-    p.add_argument("--chunks", type=int, help="model chunks per rank (interleaved; default 2)")
+    p.add_argument("--chunks", type=positive_int, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: sequence parallelism")
+    add_max_work_argument(p, MAX_ACTIONS, "pipeline actions simulated")
+
+
+def actions_estimate(pp: int, micro_batches: int, chunks: int | None) -> int:
+    """An upper bound on the actions the pipeline simulations take (cluster/pipeline.py simulates at most
+    about 4 x 2pp micro-batches, twice, and extrapolates), before building any schedule."""
+    if pp == 1:
+        return 0
+    return 2 * 3 * pp * max(chunks or 2, 2) * min(micro_batches, 8 * pp)
 
 
 def degrees(gpus: int | None, dp: int | None, tp: int, pp: int) -> tuple[int, int]:
@@ -60,6 +72,9 @@ def run_from_args(args) -> Run:
     _, dp = degrees(args.gpus, args.dp, args.tp, args.pp)
     if args.chunks is not None and args.schedule != "interleaved":
         raise ValueError(f"--chunks is for --schedule interleaved only; drop it for {args.schedule}")
+    m = max(1, args.batch_size // (dp * args.micro_batch_size))
+    check_work(actions_estimate(args.pp, m, args.chunks), args.max_work, "actions",
+               f"simulating the pipeline of --pp {args.pp} with {m} micro-batches")
     return Run(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head, seq_len=args.seq_len,
                vocab_size=args.vocab_size, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, dtype=args.dtype, checkpoint=args.checkpoint,

@@ -35,7 +35,7 @@ from refimpl.parallel.pipeline.schedules import SCHEDULES, build
 from refimpl.parallel.pipeline.simulate import Costs, Timeline, simulate
 from refimpl.parallel.pipeline.validate import Report, validate
 from refimpl.tools.console import emit_json, log
-from refimpl.tools.flags import schedule_name
+from refimpl.tools.flags import add_max_work_argument, check_work, check_writable, positive_int, schedule_name
 from refimpl.tools.plugin import build_schedule
 from refimpl.tools.plugin import is_spec as is_plugin
 from refimpl.tools.render import render_png, render_svg, render_text, render_trace
@@ -46,9 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", type=schedule_name, metavar="NAME",
                         help=f"schedule: {', '.join(names)}, or MODULE:FUNCTION (FILE.py:FUNCTION) of your own")
     parser.add_argument("--schedule", type=schedule_name, help="the schedule (same as NAME)")
-    parser.add_argument("--pp", type=int, required=True, help="number of pipeline ranks")
-    parser.add_argument("--micro-batches", type=int, required=True, help="micro-batches per iteration")
-    parser.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
+    parser.add_argument("--pp", type=positive_int, required=True, help="number of pipeline ranks")
+    parser.add_argument("--micro-batches", type=positive_int, required=True, help="micro-batches per iteration")
+    parser.add_argument("--chunks", type=positive_int, default=None,
+                        help="model chunks per rank (interleaved; default 2)")
     parser.add_argument("--costs", default="F=1,B=2,I=1,W=1", help="action costs, e.g. F=1,B=2,I=1,W=1,FB=3")
     parser.add_argument("--costs-per-action", action="store_true", help="do not scale costs by pp/stages")
     parser.add_argument("--latency", default="0", help="point-to-point latency per message (default 0)")
@@ -59,6 +60,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--program", action="store_true", help="print each rank's action list")
     parser.add_argument("--markdown", action="store_true", help="print Markdown (for docs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_max_work_argument(parser, MAX_ACTIONS, "actions (3 x stages x micro-batches, per schedule)")
+
+
+MAX_ACTIONS = 100_000  # generating, validating and simulating this many actions takes tens of seconds
+
+
+def actions_estimate(pp: int, micro_batches: int, chunks: int | None) -> int:
+    """An upper bound on a schedule's actions (F, B or I and W per stage and micro-batch), before building it:
+    at most max(chunks, 2) stages per rank (interleaved's chunks; zbv and dualpipev's two)."""
+    return 3 * pp * max(chunks or 2, 2) * micro_batches
+
+
+def check_exact_number(text: str, flag: str) -> None:
+    """Refuse, before Fraction() expands it, a number whose exact value is astronomically long (1e100000000)."""
+    text = text.strip()
+    mantissa, _, exponent = text.lower().partition("e")
+    if len(text) > 60 or (exponent and not (exponent.lstrip("+-").isdigit() and abs(int(exponent)) <= 300)):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ValueError(f"{flag} {shown!r}: write a number such as 1, 0.5 or 1/3 (at most 60 characters, "
+                         f"exponents within ±300)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +325,9 @@ def run(args) -> int:
     name = args.name or args.schedule
     if args.name and args.schedule and args.name != args.schedule:
         raise ValueError(f"two schedules given ({args.name} and --schedule {args.schedule}); give one")
+    for item in args.costs.split(","):
+        check_exact_number(item.partition("=")[2], "--costs")
+    check_exact_number(args.latency, "--latency")
     costs = Costs.parse(args.costs)
     try:
         Fraction(args.latency)
@@ -311,6 +335,14 @@ def run(args) -> int:
         raise ValueError(f"--latency must be a number such as 0, 0.1 or 1/4; got {args.latency!r}") from None
     if Fraction(args.latency) < 0:
         raise ValueError(f"--latency must be >= 0; got {args.latency}")
+    count = len(SCHEDULES) + 1 if args.compare else 1
+    check_work(count * actions_estimate(args.pp, args.micro_batches, args.chunks), args.max_work, "actions",
+               f"{'--compare' if args.compare else 'the schedule'} at --pp {args.pp}, --micro-batches "
+               f"{args.micro_batches}")
+    if args.png:
+        check_writable(args.png, "--png")
+    elif args.out:
+        check_writable(args.out, "--out")
     if args.compare:
         table, results = compare(args, costs)
         if args.json:

@@ -41,19 +41,31 @@ from refimpl.parallel.tensor_parallel import PartitionedActivations, shard_gpt
 from refimpl.parallel.tensor_parallel.communication import StepShape, bytes_per_step
 from refimpl.parallel.trainer import Trainer
 from refimpl.tools.console import emit_json, log
+from refimpl.tools.flags import add_max_work_argument, check_work, positive_int, probability
 
 TABLES = ("activations", "bytes", "parameters")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table", choices=TABLES, action="append", help="print only this table (repeatable)")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=2, help="examples per micro-batch (b)")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--n-layer", type=positive_int, default=2)
+    p.add_argument("--d-model", type=positive_int, default=64)
+    p.add_argument("--n-head", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=32)
+    p.add_argument("--batch-size", type=positive_int, default=2, help="examples per micro-batch (b)")
+    p.add_argument("--dropout", type=probability, default=0.1, help="dropout probability, in [0, 1) (default 0.1)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_max_work_argument(p, MAX_ELEMENTS, "array elements (the model's parameters and activations)")
+
+
+MAX_ELEMENTS = 20_000_000  # 160 MB of float64 per model; each table builds several
+
+
+def elements_estimate(n_layer: int, d_model: int, n_head: int, seq_len: int, batch_size: int) -> int:
+    """The array elements of one whole model and its activations, before building it: parameters
+    (12 h^2 per block, the embeddings) and the saved tensors of every block (about 34 b s h + 5 a b s^2)."""
+    per_block = 12 * d_model * d_model + batch_size * seq_len * (34 * d_model + 5 * n_head * seq_len)
+    return n_layer * per_block + (11 + seq_len) * d_model
 
 
 def check(args) -> None:
@@ -65,6 +77,10 @@ def check(args) -> None:
     if args.n_layer < 2:
         raise ValueError("--n-layer must be at least 2 "
                          "(full recomputation keeps the inputs of all blocks but the last)")
+    check_work(elements_estimate(args.n_layer, args.d_model, args.n_head, args.seq_len, args.batch_size),
+               args.max_work, "array elements",
+               f"the model and activations of --n-layer {args.n_layer} --d-model {args.d_model} --n-head "
+               f"{args.n_head} --seq-len {args.seq_len} --batch-size {args.batch_size}")
 
 
 def _gpt(args):
