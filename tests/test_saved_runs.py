@@ -136,7 +136,7 @@ def test_checkpoint_from_another_model_is_a_clear_error(saved, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(saved / "run" / "step_00000003", old)
     manifest = json.loads((old / "manifest.json").read_text())
-    del manifest["fingerprint"]
+    del manifest["fingerprint"], manifest["manifest_sha256"]
     manifest["format"] = "refimpl-sharded-checkpoint/1"
     (old / "manifest.json").write_text(json.dumps(manifest))
     cfg = TrainConfig(model="gpt", n_layer=1, d_model=16, n_head=2, seq_len=16, dtype="float64")

@@ -82,7 +82,8 @@ def test_the_fingerprint_holds_what_defines_a_run_and_nothing_else():
 
 def test_every_manifest_records_the_fingerprint(saved):
     manifest = sharded.read(str(saved)).manifest
-    assert manifest["format"] == "refimpl-sharded-checkpoint/2"
+    assert manifest["format"] == "refimpl-sharded-checkpoint/3"
+    assert manifest["manifest_sha256"] == sharded.manifest_checksum(manifest)  # its own checksum (issue 26)
     assert manifest["fingerprint"] == json.loads(json.dumps(fingerprint.of(TrainConfig(**BASE))))
 
 
@@ -288,10 +289,11 @@ def opened(monkeypatch):
 
 
 def forge(step, index: int, name: str) -> None:
-    """Make the manifest of `step` name `name` as its index-th shard."""
+    """Make the manifest of `step` name `name` as its index-th shard, its checksum resealed (a forger
+    who knows the format: the confinement must hold even then)."""
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["shards"][index]["file"] = name
-    (step / "manifest.json").write_text(json.dumps(manifest))
+    (step / "manifest.json").write_text(json.dumps(sharded.seal(manifest)))
 
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink"])

@@ -41,7 +41,8 @@ from refimpl.tools.console import Progress
 from refimpl.tools.plugin import build_executable_schedule, is_spec
 from refimpl.tools.runtime import preflight, watchdog
 from refimpl.tools.runtime.agreement import check_same_run
-from refimpl.tools.saved_runs import sharded
+from refimpl.tools.runtime.failure import agree
+from refimpl.tools.saved_runs import safe_files, sharded
 
 # Per-model defaults (the demo settings); a flag given on the command line overrides them.
 DEFAULTS = {
@@ -322,9 +323,31 @@ class TrainingDiverged(RuntimeError):
                          f"(this run: {cfg.lr:g}), or {clip}")
 
 
+def check_output_paths(cfg: TrainConfig, world=None) -> None:
+    """--trace (written by rank 0) and --save-dir (written by every rank) can be written, checked
+    before the run (collective when a world is given and either is set): one line on every rank
+    now, not a traceback after the run. The rules, symbolic links included: safe_files.py."""
+    if not (cfg.trace or cfg.save_dir):
+        return
+    problem = None
+    try:
+        if cfg.trace and (world is None or world.rank == 0):
+            safe_files.check_output_file(cfg.trace, "--trace", "trace.json")
+        if cfg.save_dir:
+            safe_files.check_output_directory(cfg.save_dir, "--save-dir")
+    except ValueError as exc:
+        problem = str(exc)
+    if world is None:
+        if problem:
+            raise ValueError(problem)
+        return
+    agree(world, problem)  # every rank stops, or none does
+
+
 def train(cfg: TrainConfig, progress: bool = True, world=None) -> dict:
     """Train as configured; return the summary printed by --json."""
     cfg.check()
+    check_output_paths(cfg, world)  # before anything is built, read or trained
     task = build_task(cfg)
     preflight.check(cfg, task, world)  # refuse up front a run its hosts' memory cannot hold (runtime/preflight.py)
     model = build_model(cfg, task)

@@ -60,6 +60,7 @@ from refimpl.parallel.experts import stage_exchanges
 from refimpl.parallel.pipeline.actions import Schedule, step_label
 from refimpl.parallel.pipeline.simulate import Costs, simulate
 from refimpl.tools.pacing import Pacing
+from refimpl.tools.saved_runs import safe_files
 
 KINDS = ("F", "B", "I", "W", "F&B")
 MODEL_STATE = ("parameters", "gradients", "optimizer_states")
@@ -317,8 +318,14 @@ def chrome_trace(schedule, steps_by_rank: list, mode: str, comm_by_rank: list | 
 
 
 def write_trace(path: str, trace: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(trace, f)
+    """Replace `path` by the trace atomically (a temporary file renamed over it: a reader never sees
+    half a trace; safe_files.write_atomically, not flushed to disk: a diagnostic). The path was
+    checked before the run (run.check_output_paths); a failure now is one line, not a traceback."""
+    text = json.dumps(trace).encode()
+    try:
+        safe_files.write_atomically(path, lambda f: f.write(text), durable=False)
+    except OSError as exc:
+        raise ValueError(f"--trace {path} cannot be written: {exc.strerror or exc}") from None
 
 
 def parse_costs(text: str | None) -> Costs | None:

@@ -81,6 +81,13 @@ def _file_sha256(path: str, version: tuple) -> str:
     return h.hexdigest()
 
 
+def well_formed(fingerprint) -> bool:
+    """Whether a manifest's fingerprint has the shape `of` returns ({"fields": {...}, "sha256": str})."""
+    return (isinstance(fingerprint, dict) and isinstance(fingerprint.get("fields"), dict)
+            and isinstance(fingerprint.get("sha256"), str)
+            and isinstance(fingerprint.get("data_path"), (str, type(None))))
+
+
 def differences(theirs: dict, ours: dict) -> list[str]:
     """The flags in which two fingerprints differ, as ["--seed: 0 there, 1 here", ...] (there: the
     checkpoint's run, here: this one); empty when they are the same run."""

@@ -16,6 +16,17 @@ Four rules, each a function here:
     file name and the file, links resolved, lies inside the directory -- checked before the file
     is opened.
 
+Output paths named on the command line (train --trace and --save-dir, consolidate --out, and any
+command's output file: check_output_file, check_output_directory) are checked before the command
+does its work, so that a bad path is one line at the start instead of a traceback after the run.
+The rule for symbolic links, the same for every output:
+
+  * links in the directories leading to an output are followed, and so is a --save-dir that is
+    itself a link to a directory (a scratch disk linked into the working directory);
+  * an output *file* whose name is a symbolic link is refused: outputs are written atomically
+    (write_atomically renames a temporary file over the name), which would replace the link
+    rather than write its target, so the command asks for the target's name instead.
+
 What the operating system does not promise: after a power loss, a file system that does not
 order metadata (some network file systems) may show a rename before the data it names; fsync of
 files and of their directories, as done here, is what POSIX offers against that.
@@ -28,6 +39,7 @@ import os
 import secrets
 import shutil
 import stat
+import tempfile
 
 from refimpl.tools.runtime import watchdog
 
@@ -43,20 +55,22 @@ def create_new(path: str, write) -> tuple[str, int]:
         return _write_and_hash(f, write)
 
 
-def write_atomically(path: str, write) -> tuple[str, int]:
+def write_atomically(path: str, write, durable: bool = True) -> tuple[str, int]:
     """Replace `path` by a file that write(file object) fills; (sha256, bytes). On an error nothing
-    at `path` changes and the temporary file is removed."""
+    at `path` changes and the temporary file is removed. durable=False skips the fsyncs (a
+    diagnostic rewritten often, such as a trace: still atomic, not flushed to disk)."""
     directory, base = os.path.split(os.path.abspath(path))
     tmp = _fresh_name(directory, base, "tmp")
     f = _open_new(tmp)  # if this fails, nothing was created: there is nothing of ours to remove
     try:
         with f:
-            digest, size = _write_and_hash(f, write)
+            digest, size = _write_and_hash(f, write, durable)
         os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    fsync_directory(directory)
+    if durable:
+        fsync_directory(directory)
     return digest, size
 
 
@@ -65,10 +79,11 @@ def _open_new(path: str):
     return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666), "w+b")
 
 
-def _write_and_hash(f, write) -> tuple[str, int]:
+def _write_and_hash(f, write, durable: bool = True) -> tuple[str, int]:
     write(f)
     f.flush()
-    os.fsync(f.fileno())
+    if durable:
+        os.fsync(f.fileno())
     watchdog.progress()  # a file written: the ranks that wait meanwhile see this one alive
     f.seek(0)  # hash what is on disk, through the same descriptor (np.savez seeks while writing)
     return sha256_of(f)
@@ -157,6 +172,60 @@ def check_name(directory: str, name, what: str = "file") -> str:
         raise ValueError(f"{what} {name} is a symbolic link to {target}, outside the checkpoint directory; "
                          "copy the file into the directory instead")
     return target
+
+
+def check_output_file(path, flag: str, example: str = "out") -> str:
+    """ValueError, one line naming `flag`, unless `path` names a file this process can write
+    atomically (write_atomically): not a directory, not a symbolic link (the module's rule), not a
+    device or other special file, not read-only, in an existing directory where a new file can be
+    created. Nothing is created or changed. Returns the path."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{flag} needs a file name")
+    if os.path.islink(path):
+        raise ValueError(f"{flag} {path} is a symbolic link (to {os.readlink(path)}); an output is written to a "
+                         "temporary file renamed over its name, which would replace the link, not write its target: "
+                         "name the target itself (refimpl/tools/saved_runs/safe_files.py states the rule)")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; name a file, e.g. {os.path.join(path, example)}")
+    if os.path.lexists(path):
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"{flag} {path} is not a regular file (a device, pipe or socket); name a file")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path} is read-only; make it writable or name another file")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.lexists(parent) else "does not exist"
+        raise ValueError(f"{flag} {path} cannot be written: its directory {parent} {what}; create it first")
+    try:
+        with tempfile.TemporaryFile(dir=parent, prefix=".write_test_"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path} cannot be written: {exc.strerror or exc} (in {parent}); "
+                         "choose a writable location") from None
+    return path
+
+
+def check_output_directory(path, flag: str) -> None:
+    """ValueError, one line naming `flag`, unless `path` is a directory this process can write
+    into, or can be created (its nearest existing ancestor is a writable directory). Links are
+    followed (the module's rule). Nothing is created or changed."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{flag} needs a directory name")
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    reason = None
+    if not os.path.isdir(existing):
+        reason = (f"{existing} is a symbolic link to {os.readlink(existing)}, which does not exist"
+                  if os.path.islink(existing) and not os.path.exists(existing) else "Not a directory")
+    else:
+        try:
+            with tempfile.TemporaryFile(dir=existing, prefix=".write_test_"):
+                pass
+        except OSError as exc:
+            reason = f"{exc.strerror or exc}" + ("" if existing == os.path.abspath(path) else f" (in {existing})")
+    if reason:
+        raise ValueError(f"{flag} {path!r} cannot be written: {reason}; choose a writable directory")
 
 
 def fsync_directory(path: str) -> None:

@@ -8,7 +8,8 @@ Layout of one checkpoint (train --save-dir DIR writes DIR/step_00000040/ after s
         manifest.json               written last, by rank 0: step, world size, stage, precision,
                                     optimizer, loss scale, the model's parameter names and shapes,
                                     every shard's file name, size and SHA-256, dropout RNG states,
-                                    and the run's fingerprint (fingerprint.py)
+                                    the run's fingerprint (fingerprint.py), and its own SHA-256
+                                    ("manifest_sha256": of its canonical JSON without that field)
 
 A *piece* is a contiguous range [start, stop) of one flattened parameter with its master weights
 (float32 under mixed precision) and optimizer state (AdamW m and v, SGD momentum) for that range.
@@ -31,13 +32,22 @@ another run (another fingerprint, or none), naming the flags that differ, unless
 before step 1. --resume continues only the run that wrote the checkpoint: it may change the flags
 in fingerprint.MAY_CHANGE (--steps, --save-every, world size, --zero, ...), no other.
 
-Reading is all-or-nothing: the manifest, every shard's name (a plain file name inside the
-checkpoint directory, symbolic links resolved -- checked before any file is opened), existence,
-size and checksum, and the model's parameter names and shapes are checked before anything is
-assigned, and every rank learns about the problems any rank found (failure.agree), so all of them
-stop with the same one-line error instead of some waiting forever in a collective. --resume DIR
-(a save directory) takes the newest intact step, warning about each newer one it skips (no
-manifest, a corrupt shard); --resume DIR/step_N takes that step or stops. At the same world size
+Reading is all-or-nothing, and a manifest is checked before anything is allocated (check_manifest):
+its size, its own checksum, then every field's type and range -- step and optimizer step integers
+>= 0 with the optimizer step (plus the skipped steps of mixed precision) not above the step, the
+step equal to the directory's name, a loss scale that is a finite positive number (and present
+exactly under mixed precision), a known format, precision, stage and world size, one shard and one
+set of dropout states per rank, parameter shapes of non-negative integers whose elements the
+shards' recorded bytes can hold -- and, when resuming, the run's fingerprint, the model's names
+and shapes and the optimizer (read_step's `vet`). A problem in the manifest makes that step
+corrupt: a save directory falls back past it, a named step is an error. Then every shard's name
+(a plain file name inside the checkpoint directory, symbolic links resolved -- checked before any
+file is opened), existence, size and checksum are checked before anything is assigned, and every
+rank learns about the problems any rank found (failure.agree), so all of them stop with the same
+one-line error instead of some waiting forever in a collective. A fingerprint, model or optimizer
+that is not this run's is an error, never a reason to fall back (Refused). --resume DIR (a save
+directory) takes the newest intact step, warning about each newer one it skips (no manifest, a
+corrupt manifest or shard); --resume DIR/step_N takes that step or stops. At the same world size
 and stage, a resumed run is bitwise identical to an uninterrupted one: master weights, optimizer
 state and step, loss scale, dropout generators and the data position (batches are a function of
 the step) are all restored exactly.
@@ -51,13 +61,16 @@ progress lines of a run (`checkpoint: PATH`, `resumed from ...`) and its warning
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
 import tempfile
 
 import numpy as np
 
+from refimpl.optim.precision import PRECISIONS
 from refimpl.parallel.comm import LocalComm
 from refimpl.protocols import Checkpointable, missing
 from refimpl.tools.console import log
@@ -65,9 +78,11 @@ from refimpl.tools.runtime import watchdog
 from refimpl.tools.runtime.failure import AgreedError, agree
 from refimpl.tools.saved_runs import fingerprint, safe_files
 
-FORMAT = "refimpl-sharded-checkpoint/2"  # /2 adds the run's fingerprint
-READABLE = (FORMAT, "refimpl-sharded-checkpoint/1")
+FORMAT = "refimpl-sharded-checkpoint/3"  # /2 adds the run's fingerprint, /3 the manifest's own checksum
+READABLE = (FORMAT, "refimpl-sharded-checkpoint/2", "refimpl-sharded-checkpoint/1")
 MANIFEST = "manifest.json"
+CHECKSUM = "manifest_sha256"  # SHA-256 of the manifest's canonical JSON without this field
+MANIFEST_LIMIT = 256 << 20  # bytes: far above any manifest written (parameters and dropout states per rank)
 STEP = re.compile(r"step_(\d{8})$")  # a published step directory
 LEFTOVER = re.compile(r"\.step_(\d{8})\.[0-9a-f]+\.(saving|replaced|removing)$")  # an interrupted save
 
@@ -157,7 +172,7 @@ def save(trainer, model, cfg, step: int, world=None) -> str:
         shards = comm.allgather_object({"file": name, "sha256": digest, "bytes": size, "rng": _dropout_states(model)})
 
         def finish():  # rank 0: the manifest last, then the step appears whole
-            text = json.dumps(_manifest(trainer, model, cfg, step, optimizer_step, shards), indent=1).encode()
+            text = json.dumps(seal(_manifest(trainer, model, cfg, step, optimizer_step, shards)), indent=1).encode()
             safe_files.create_new(os.path.join(staging, MANIFEST), lambda f: f.write(text))
             safe_files.publish(staging, final)
 
@@ -185,6 +200,17 @@ def _manifest(trainer, model, cfg, step: int, optimizer_step: int, shards: list)
     }
 
 
+def manifest_checksum(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON (sorted keys, no spaces, ASCII) without CHECKSUM."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(manifest: dict) -> dict:
+    """The manifest with its own checksum recorded (a copy)."""
+    return {**{k: v for k, v in manifest.items() if k != CHECKSUM}, CHECKSUM: manifest_checksum(manifest)}
+
+
 def maybe_save(trainer, model, cfg, steps_done: int, world=None) -> str | None:
     """Save after every --save-every steps, and after the last step."""
     if (cfg.save_every and steps_done % cfg.save_every == 0) or steps_done == cfg.steps:
@@ -201,9 +227,12 @@ def check_writable(root: str, world=None) -> None:
     comm = _comm(world)
     problem = None
     try:
+        safe_files.check_output_directory(root, "--save-dir")
         os.makedirs(root, exist_ok=True)
         with tempfile.TemporaryFile(dir=root, prefix=".write_test_"):  # a unique name: jobs may share root
             pass
+    except ValueError as exc:
+        problem = str(exc)
     except OSError as exc:
         problem = f"--save-dir {root!r} cannot be written: {exc.strerror or exc}; choose a writable directory"
     agree(comm, problem)  # every rank stops, or none does
@@ -249,12 +278,11 @@ def _survey(root: str, ours: dict) -> tuple[list, list, list]:
                 leftovers.append(name)  # incomplete (older refimpls saved in place): never loaded
                 continue
             try:
-                with open(os.path.join(path, MANIFEST), "rb") as f:
-                    theirs = json.loads(f.read()).get("fingerprint")
-            except (OSError, ValueError, AttributeError) as exc:
+                theirs = _load_manifest(path).get("fingerprint")
+            except (OSError, ValueError, AttributeError, RecursionError) as exc:
                 others.append((name, f"has a {MANIFEST} that cannot be read: {exc}"))
                 continue
-            if not isinstance(theirs, dict):
+            if not fingerprint.well_formed(theirs):
                 others.append((name, "records no run fingerprint (written by an older refimpl)"))
                 continue
             differs = fingerprint.differences(theirs, ours)
@@ -286,14 +314,20 @@ class Checkpoint:
         self.step = int(manifest["step"])
 
 
-def open_newest(path: str) -> tuple[Checkpoint, list[str]]:
+class Refused(ValueError):
+    """A checkpoint that is intact but not this run's (read_step's `vet` refused it): an error,
+    never a reason to fall back to an older step."""
+
+
+def open_newest(path: str, vet=None) -> tuple[Checkpoint, list[str]]:
     """(checkpoint, ["PATH (why it was skipped)", ...]). A step directory (it has a manifest, or is
     named step_NNNNNNNN) is read as it is: a problem is an error. A save directory gives its newest
-    intact step; newer ones that are incomplete or corrupt are skipped, each with the reason."""
+    intact step; newer ones that are incomplete or corrupt are skipped, each with the reason.
+    vet(checkpoint without arrays): read_step's; what it raises is raised as Refused."""
     if os.path.isfile(os.path.join(path, MANIFEST)) or STEP.match(os.path.basename(os.path.normpath(path))):
         try:
-            return read_step(path), []
-        except ValueError as exc:
+            return read_step(path, vet), []
+        except CheckpointError as exc:
             raise ValueError(f"{exc}; a step directory named explicitly is read as it is: name its save "
                              f"directory ({os.path.dirname(os.path.normpath(path)) or '.'}) to take the newest "
                              "intact step instead") from None
@@ -304,7 +338,7 @@ def open_newest(path: str) -> tuple[Checkpoint, list[str]]:
     skipped = []
     for name in steps:
         try:
-            checkpoint = read_step(os.path.join(path, name))
+            checkpoint = read_step(os.path.join(path, name), vet)
         except CheckpointError as exc:
             skipped.append(f"{exc.path} ({exc.reason})")
             continue
@@ -326,32 +360,66 @@ def read(path: str) -> Checkpoint:
     return open_newest(path)[0]
 
 
-def read_step(path: str) -> Checkpoint:
+def read_step(path: str, vet=None) -> Checkpoint:
     """Read and check one step directory (manifest, shard names, checksums, coverage);
-    CheckpointError naming the directory and the problem if anything is wrong."""
+    CheckpointError naming the directory and the problem if anything is wrong. vet(checkpoint),
+    if given, sees the checked manifest (a Checkpoint without arrays) before any shard is opened;
+    a ValueError from it is raised as Refused."""
     if not os.path.isdir(path):
         raise CheckpointError(path, "no such directory")
     if not os.path.isfile(os.path.join(path, MANIFEST)):
         raise CheckpointError(path, f"incomplete, no {MANIFEST} (a save that was interrupted)")
     try:
-        return _read(path)
+        return _read(path, vet)
+    except Refused:
+        raise
     except ValueError as exc:
         raise CheckpointError(path, str(exc)) from None
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # parsed, but not a manifest we wrote
+    except (KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:  # not a manifest we wrote
         raise CheckpointError(path, f"{MANIFEST} is malformed ({type(exc).__name__}: {exc})") from None
 
 
-def _read(path: str) -> Checkpoint:
+def _load_manifest(path: str) -> dict:
+    """The parsed manifest of step directory `path` (a JSON object of at most MANIFEST_LIMIT bytes), or ValueError."""
     try:
         with open(os.path.join(path, MANIFEST), "rb") as f:
-            manifest = json.loads(f.read())
-    except (OSError, ValueError) as exc:
+            size = os.fstat(f.fileno()).st_size
+            text = f.read() if size <= MANIFEST_LIMIT else None  # the size first: nothing huge is read
+    except OSError as exc:
         raise ValueError(f"cannot read {MANIFEST}: {exc}") from None
-    if manifest.get("format") not in READABLE:
-        raise ValueError(f"unknown format {manifest.get('format')!r}, expected {FORMAT}")
+    if text is None:
+        raise ValueError(f"{MANIFEST} is {size} bytes, more than any manifest refimpl writes "
+                         f"({MANIFEST_LIMIT >> 20} MiB); it is damaged or forged")
+    try:
+        manifest = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"cannot read {MANIFEST}: nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"cannot read {MANIFEST}: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{MANIFEST} holds a JSON {type(manifest).__name__}, not an object")
+    return manifest
+
+
+def _read(path: str, vet=None) -> Checkpoint:
+    manifest = _load_manifest(path)
+    check_manifest(manifest, path)  # everything below relies on it: nothing is allocated before
+    if vet is not None:
+        try:
+            vet(Checkpoint(path, manifest, {}, {}))
+        except ValueError as exc:
+            raise Refused(str(exc)) from None
     shapes = {name: tuple(shape) for name, shape in manifest["parameters"]}
     for shard in manifest["shards"]:  # every name is confined before any file is opened
         safe_files.check_name(path, shard["file"], "shard")
+    for shard in manifest["shards"]:  # every size as recorded before any is read: the bound on shapes holds
+        try:
+            size = os.stat(safe_files.check_name(path, shard["file"], "shard")).st_size
+        except OSError:
+            continue  # missing or unreadable: open_confined below says which
+        if size != shard["bytes"]:
+            raise ValueError(f"shard {shard['file']} is corrupt ({size} bytes, the manifest says "
+                             f"{shard['bytes']} bytes)")
     masters: dict = {}
     states: dict = {}
     covered = {name: 0 for name in shapes}
@@ -364,10 +432,138 @@ def _read(path: str) -> Checkpoint:
             f.seek(0)
             _read_shard(shard["file"], f, shapes, masters, states, covered)
         watchdog.progress()  # a file read: this rank is alive (consolidate's other ranks wait for it)
-    short = [n for n, c in covered.items() if c != int(np.prod(shapes[n], dtype=np.int64))]
+    short = [n for n, c in covered.items() if c != _elements(shapes[n]) or (c and n not in masters)]
     if short:
         raise ValueError(f"the shards do not cover parameter {short[0]} exactly once")
     return Checkpoint(path, manifest, masters, states)
+
+
+def _elements(shape) -> int:
+    """Elements of a shape, as a Python int (no overflow, whatever the manifest says)."""
+    return math.prod(int(d) for d in shape)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def check_manifest(manifest: dict, path: str | None = None) -> None:
+    """ValueError naming the first problem unless `manifest` is one refimpl could have written:
+    its own checksum (format /3; older formats have none), every field's type and range, steps
+    that agree with each other and with the directory's name, a finite positive loss scale, and
+    parameters whose elements the shards' recorded bytes can hold. Allocates nothing of the
+    manifest's sizes: this is what makes a forged shape an error rather than a MemoryError."""
+    def bad(field: str, what: str, value) -> ValueError:
+        shown = repr(value)
+        return ValueError(f"{MANIFEST} is corrupt: {field} must be {what}, got "
+                          f"{shown if len(shown) <= 80 else shown[:77] + '...'}")
+
+    fmt = manifest.get("format")
+    if fmt not in READABLE:
+        raise ValueError(f"unknown format {fmt!r}, expected {FORMAT}")
+    if fmt == FORMAT or CHECKSUM in manifest:
+        recorded = manifest.get(CHECKSUM)
+        if not isinstance(recorded, str):
+            raise ValueError(f"{MANIFEST} is corrupt: it records no checksum of its own ({CHECKSUM}), which "
+                             f"{FORMAT} requires")
+        actual = manifest_checksum(manifest)
+        if actual != recorded:
+            raise ValueError(f"{MANIFEST} is corrupt: its SHA-256 is {actual[:12]}..., it records "
+                             f"{recorded[:12]}... (edited or damaged after it was written)")
+    step = manifest.get("step")
+    if not (_is_int(step) and step >= 0):
+        raise bad("step", "an integer >= 0", step)
+    named = STEP.match(os.path.basename(os.path.normpath(path))) if path else None
+    if named and int(named.group(1)) != step:
+        raise ValueError(f"{MANIFEST} is corrupt: it says step {step}, its directory is step {int(named.group(1))}")
+    world = manifest.get("world_size")
+    if not (_is_int(world) and world >= 1):
+        raise bad("world_size", "an integer >= 1", world)
+    if not isinstance(manifest.get("trainer", ""), str):
+        raise bad("trainer", "a string", manifest.get("trainer"))
+    if manifest.get("zero_stage") not in (0, 1, 2, 3) or isinstance(manifest.get("zero_stage"), bool):
+        raise bad("zero_stage", "0, 1, 2 or 3", manifest.get("zero_stage"))
+    precision = manifest.get("precision")
+    if precision not in PRECISIONS:
+        raise bad("precision", " or ".join(PRECISIONS), precision)
+    optimizer = manifest.get("optimizer")
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str)):
+        raise bad("optimizer", 'an object {"name": ..., "step": ...}', optimizer)
+    if not (_is_int(optimizer.get("step")) and 0 <= optimizer["step"] <= step):
+        raise bad("optimizer.step", f"an integer between 0 and the step, {step}", optimizer.get("step"))
+    scaler = manifest.get("loss_scaler")
+    if scaler is not None or precision == "mixed":
+        if precision != "mixed":
+            raise bad("loss_scaler", f"null under precision {precision} (only mixed precision scales the loss)",
+                      scaler)
+        if not isinstance(scaler, dict):
+            raise bad("loss_scaler", "an object under mixed precision", scaler)
+        scale = scaler.get("scale")
+        if not (_is_number(scale) and math.isfinite(scale) and scale > 0):
+            raise bad("loss_scaler.scale", "a finite number > 0", scale)
+        for key in ("good_steps", "skipped"):
+            if not (_is_int(scaler.get(key)) and 0 <= scaler[key] <= step):
+                raise bad(f"loss_scaler.{key}", f"an integer between 0 and the step, {step}", scaler.get(key))
+        if optimizer["step"] + scaler["skipped"] > step:
+            raise ValueError(f"{MANIFEST} is corrupt: {optimizer['step']} optimizer steps and {scaler['skipped']} "
+                             f"skipped steps are more than step {step}")
+    parameters = manifest.get("parameters")
+    if not isinstance(parameters, list):
+        raise bad("parameters", "a list of [name, shape]", parameters)
+    names = set()
+    for entry in parameters:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and len(entry[1]) <= 32
+                and all(_is_int(d) and d >= 0 for d in entry[1])):
+            raise bad("every parameter", "[name, [non-negative integer sizes]]", entry)
+        if entry[0] in names:
+            raise ValueError(f"{MANIFEST} is corrupt: parameter {entry[0]} is listed twice")
+        names.add(entry[0])
+    if not isinstance(manifest.get("model", {}), dict):
+        raise bad("model", "an object", manifest.get("model"))
+    if "fingerprint" in manifest and not fingerprint.well_formed(manifest["fingerprint"]):
+        raise bad("fingerprint", 'an object {"fields": {...}, "sha256": "..."}', manifest["fingerprint"])
+    shards = manifest.get("shards")
+    if not (isinstance(shards, list) and len(shards) == world):
+        raise bad("shards", f"a list of world_size ({world}) shards", shards)
+    for shard in shards:
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and _is_int(shard.get("bytes"))
+                and shard["bytes"] >= 0 and isinstance(shard.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", shard["sha256"])):
+            raise bad("every shard", '{"file": name, "sha256": 64 hex digits, "bytes": integer >= 0}', shard)
+    if len({shard["file"] for shard in shards}) != len(shards):
+        raise ValueError(f"{MANIFEST} is corrupt: it names one shard file twice")
+    elements, held = sum(_elements(shape) for _, shape in parameters), sum(shard["bytes"] for shard in shards)
+    if 2 * elements > held:  # master weights alone take >= 2 bytes an element
+        raise ValueError(f"{MANIFEST} is corrupt: its parameters have {elements} elements, more than its shards' "
+                         f"{held} bytes can hold")
+    rng = manifest.get("rng")
+    if rng is not None:
+        if not (isinstance(rng, list) and len(rng) == world and all(isinstance(r, list) for r in rng)):
+            raise bad("rng", f"a list of world_size ({world}) lists of generator states", rng)
+        for states in rng:
+            for state in states:
+                _check_generator_state(state)
+
+
+def _check_generator_state(state) -> None:
+    """ValueError unless `state` is a NumPy bit generator's state (tried on a fresh generator)."""
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    try:
+        if name not in _BIT_GENERATORS:
+            raise ValueError(name)
+        getattr(np.random, name)(0).state = state
+    except Exception:  # noqa: BLE001 - whatever NumPy raises for a bad state, the manifest is corrupt
+        shown = repr(state)
+        raise ValueError(f"{MANIFEST} is corrupt: a dropout generator state is not a NumPy bit generator's "
+                         f"state ({shown if len(shown) <= 80 else shown[:77] + '...'})") from None
 
 
 def _read_shard(name: str, f, shapes: dict, masters: dict, states: dict, covered: dict) -> None:
@@ -421,16 +617,19 @@ def check_run(checkpoint: Checkpoint, cfg) -> str | None:
 def resume(trainer, model, cfg, world=None) -> int:
     """Load --resume into the trainer (collective); returns the step to continue from."""
     comm = _comm(world)
-    checkpoint, problem, notes = None, None, []
-    try:
-        checkpoint, skipped = open_newest(cfg.resume)
-        notes = [f"warning: skipping {why}; resuming from the newest intact step, {checkpoint.path}"
-                 for why in skipped]
-        notes += filter(None, [check_run(checkpoint, cfg)])
-        check_model(checkpoint, model, cfg)
-        if checkpoint.step >= cfg.steps:
-            raise ValueError(f"checkpoint {checkpoint.path} is at step {checkpoint.step}; --steps {cfg.steps} "
+    checkpoint, problem, notes, run_notes = None, None, [], []
+
+    def vet(candidate):  # on the checked manifest, before any shard is read
+        run_notes[:] = filter(None, [check_run(candidate, cfg)])
+        check_model(candidate, model, cfg)
+        if candidate.step >= cfg.steps:
+            raise ValueError(f"checkpoint {candidate.path} is at step {candidate.step}; --steps {cfg.steps} "
                              "leaves nothing to train (--steps is the total, counted from step 0)")
+
+    try:
+        checkpoint, skipped = open_newest(cfg.resume, vet)
+        notes = [f"warning: skipping {why}; resuming from the newest intact step, {checkpoint.path}"
+                 for why in skipped] + run_notes
     except ValueError as exc:
         problem = str(exc)
     if comm.rank == 0:
@@ -474,6 +673,7 @@ def consolidate(path: str, out: str, optimizer: bool = False) -> dict:
     A save directory gives its newest intact step, with a warning for each newer one skipped."""
     if not out.endswith(".npz"):
         raise ValueError(f"--out must name a .npz file, got {out}")
+    safe_files.check_output_file(out, "--out", "model.npz")  # before reading: a bad --out is not found last
     checkpoint, skipped = open_newest(path)
     for why in skipped:
         log(f"warning: skipping {why}; consolidating the newest intact step, {checkpoint.path}")
