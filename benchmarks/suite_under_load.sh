@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite beside CPU-bound load (issue 26, item 6): no test may depend on speed.
+# The test suite beside CPU-bound load: no test may depend on the machine's speed.
 #
 #   bash benchmarks/suite_under_load.sh                     # the whole suite (python -m pytest -q)
 #   bash benchmarks/suite_under_load.sh tests/test_faults.py -k watchdog   # any pytest arguments
