@@ -1,5 +1,5 @@
 """Exposed communication, measured against the simulator: 1F1B, ZB1P and DualPipe with and without
-the F&B overlap, in sleep-cost plus link-delay mode (issue 17, item 4).
+the F&B overlap, in sleep-cost plus link-delay mode.
 
 Launch:  mpiexec -n 8 python benchmarks/bench_overlap.py [--costs F=0.05,I=0.05,W=0.05,P=0.005,A=0.025
                                                          --steps 3 --out DIR]
@@ -21,7 +21,7 @@ table compares the mean over ranks. The ratio measured / simulated of the total 
 hold within 10 %.
 
 The wall-clock claims that tests/test_overlap_timing.py no longer makes (a test asserts only what
-holds under any delay, issue 26, item 6) are measured here and printed as ratios, with whether each
+holds under any delay) are measured here and printed as ratios, with whether each
 holds on this run:
 
     a2a ratio      measured / simulated exposed all-to-all time. 1F1B, ZB1P and DualPipe's F then B

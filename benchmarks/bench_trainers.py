@@ -9,7 +9,7 @@ configuration below, under `mpiexec -n RANKS`, once with this tree's refimpl (or
 and once with revision REV's (each revision checked out into a temporary git worktree), alternating
 the two --repeats times so that a slow spell of the machine hits both. Reported: the median of
 train --json's "seconds" (the training steps only, no startup) per configuration and tree, and the
-ratio this / baseline. The one-trainer refactor of issue 15 promised no configuration slower than 5%.
+ratio this / baseline. A refactoring must leave no configuration slower beyond the run-to-run noise.
 
     ddp       data parallelism, bucketed                zero1..3  --zero 1, 2, 3
     pp2       --pp 2 --schedule 1f1b --micro-batches 4  (with RANKS = 2: one pipeline, dp 1)

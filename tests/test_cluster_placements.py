@@ -2,7 +2,7 @@
 
 tests/test_cluster.py checks groups that lie inside one node or one member per node; these are the
 terms that only show when a group spans nodes with several members in each, and the terms that only
-show with experts or sequence parallelism (issue 26, item 7): the all-to-all of a group that spans
+show with experts or sequence parallelism: the all-to-all of a group that spans
 nodes, the pipeline's message across nodes when dp·tp fills a node, the data-parallel group's stride
 of tp, the experts' model states under ZeRO, and the pipeline message with sequence parallelism.
 

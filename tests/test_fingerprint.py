@@ -1,5 +1,5 @@
 """The data's part of a run's fingerprint (refimpl/tools/saved_runs/fingerprint.py) is the SHA-256
-of the whole file: every byte counts, wherever it is and in whatever order (issue 26, item 7).
+of the whole file: every byte counts, wherever it is and in whatever order.
 
 A shortcut that hashed the first chunk (1 MiB) only, or the file's size, or its bytes as a multiset
 (a histogram, sorted bytes), would call two different data sets the same run; the files here are

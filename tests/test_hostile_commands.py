@@ -1,4 +1,4 @@
-"""Hostile input to the non-training commands (issue 26, item 1): every bad number, every run too large
+"""Hostile input to the non-training commands: every bad number, every run too large
 to finish and every unreadable file ends in one line `error: ...` and exit status 2, quickly, before any
 work, never a traceback or a hang.
 

@@ -1,4 +1,4 @@
-"""Hostile manifests and output paths (issue 26, items 2 and 3).
+"""Hostile manifests and output paths.
 
 Each manifest case saves nothing new: it copies a tiny saved run (steps 1 and 2), damages step 2's
 manifest in one way, and runs `python -m refimpl train --resume ...` (or `consolidate`) in this

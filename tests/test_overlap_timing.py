@@ -1,9 +1,9 @@
-"""Exposed communication (issue 17, item 4): the simulator's chunk model against hand-derived numbers,
+"""Exposed communication: the simulator's chunk model against hand-derived numbers,
 the executor's observer Pacing (chunk pacing, delayed all-to-alls and messages), the lanes picture, and in
 sleep-cost + link-delay mode over MPI: the fields are reported, the delays change no number and
 the all-to-alls counted are the simulator's.
 
-No test here depends on speed (issue 26, item 6): on the real clock they assert only what holds
+No test here depends on speed: on the real clock they assert only what holds
 under any delay (orders, counts, lower bounds -- a sleep or a delay only overshoots -- and the
 simulator's exact figures); Pacing's exact figures are checked on a virtual clock. Measured against
 simulated within 10 % is benchmarks/bench_overlap.py's job, and benchmarks/suite_under_load.sh runs

@@ -1,4 +1,4 @@
-"""A checkpoint directory belongs to one run (issue 14, item 4): the run's fingerprint in every
+"""A checkpoint directory belongs to one run: the run's fingerprint in every
 manifest; --save-dir refuses another run's directory (or starts over when asked); --resume refuses
 any change but length and layout; a save directory falls back past broken newest steps, a named
 step does not; shard names are confined to their directory; temporary files are created
@@ -83,7 +83,7 @@ def test_the_fingerprint_holds_what_defines_a_run_and_nothing_else():
 def test_every_manifest_records_the_fingerprint(saved):
     manifest = sharded.read(str(saved)).manifest
     assert manifest["format"] == "refimpl-sharded-checkpoint/3"
-    assert manifest["manifest_sha256"] == sharded.manifest_checksum(manifest)  # its own checksum (issue 26)
+    assert manifest["manifest_sha256"] == sharded.manifest_checksum(manifest)  # its own checksum
     assert manifest["fingerprint"] == json.loads(json.dumps(fingerprint.of(TrainConfig(**BASE))))
 
 

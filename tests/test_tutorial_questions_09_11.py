@@ -1,4 +1,4 @@
-"""Tutorials 09-11's derived exercises (issue 19, part 3): each check passes the reference solution
+"""Tutorials 09-11's derived exercises: each check passes the reference solution
 and rejects subtly wrong answers with a message that names the mistake; the rule exercise 09.4 is
 checked against agrees with the memory ledger of real runs; every tutorial has its question and
 the solution its model answer."""
