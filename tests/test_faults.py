@@ -86,9 +86,13 @@ def check_fault(world: int, rank: int, at: str, kind: str, tmp_path: Path) -> No
     bound = BOUND_S + (TIMEOUT if kind in STALLS else 0)
     after = ended - float(fault.group(4))
     assert after <= bound, f"ended {after:.1f} s after the fault; " + what
-    if kind in ("os_exit", "kill"):  # no Python runs on that rank: the launcher ends the job with its
-        # exit status (3, or 9 for SIGKILL) and, if it has time to, a "BAD TERMINATION" report naming its PID
-        assert done.returncode in (3, 9) or "BAD TERMINATION" in done.stdout + done.stderr, what
+    if kind == "kill":  # no Python runs on that rank: its keeper names it by its world rank, whatever
+        # process the launcher's report names
+        assert re.search(rf"^\[rank {rank}\] killed by signal 9 \(SIGKILL", done.stderr, re.M), what
+        assert "killed by signal" not in done.stderr.replace(f"[rank {rank}] killed by signal", ""), what
+    elif kind == "os_exit":  # no Python runs after os._exit: the launcher ends the job with its exit status
+        # (3) and, if it has time to, a "BAD TERMINATION" report naming its PID
+        assert done.returncode == 3 or "BAD TERMINATION" in done.stdout + done.stderr, what
     elif kind in STALLS:
         assert re.search(rf"watchdog: .*Did not arrive: rank {rank} ", done.stderr), what
     else:
@@ -253,3 +257,67 @@ def test_the_verdict_waits_while_a_rank_makes_progress_or_has_only_just_arrived(
     deadlock = verdict({0: waiting(400), 1: waiting(300, "barrier over ranks 0, 1")}, 2, 300)
     assert deadlock.startswith("watchdog: no progress for 300 s. Every rank waits: a deadlock. Waiting: rank 0 in "
                                "allreduce over ranks 0-3 (for 400 s); rank 1 in barrier over ranks 0, 1 (for 300 s).")
+
+
+@pytest.mark.parametrize("world,rank,at,command", [
+    (4, 2, "action:7", ["train", "--model", "gpt", "--n-layer", "8", "--pp", "4", "--schedule", "dualpipe",
+                        "--steps", "5"]),
+    (2, 1, "comm:6", ["train", "--model", "gpt", "--tp", "2", "--sequence-parallel", "--steps", "5"]),
+])
+def test_a_killed_rank_is_named_by_its_world_rank_whatever_the_launcher_reports(world, rank, at, command):
+    """The launcher's report names a PID, often of a rank it killed itself; the keeper of the rank that
+    died names it (keeper.py), and no other rank is reported killed."""
+    done = run_mpi(world, [INJECT, "--rank", rank, "--at", at, "--kind", "kill", "--", *command,
+                           "--timeout", str(TIMEOUT)], timeout=120)
+    what = done.stderr[-3000:]
+    assert FAULT_LINE.search(done.stderr), what
+    assert done.returncode != 0, what
+    named = re.findall(r"^\[rank (\d+)\] killed by signal (\d+) \((\w+): .*\(PID (\d+) on ", done.stderr, re.M)
+    assert [(int(r), int(s), name) for r, s, name, _ in named] == [(rank, 9, "SIGKILL")], what
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="keepers run on Linux only")
+def test_python_m_refimpl_runs_each_rank_under_a_keeper_that_names_it_when_killed():
+    """`mpiexec -n 3 python -m refimpl train ...`: each rank is the child of its keeper; kill -9 one rank
+    from outside (as the out-of-memory killer would) and its keeper names it by world rank."""
+    import os
+    import signal
+    import subprocess
+
+    from mpi_util import REPO, clean_env, find_mpiexec  # noqa: PLC0415
+
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec found (pip install mpich)")
+    tag = f"{os.getpid()}-{time.time()}"  # marks this job's processes
+    command = [mpiexec, "-n", "3", sys.executable, "-m", "refimpl", "train", "--steps", "100000", "--batch-size", "30",
+               "--timeout", "60"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=clean_env({"REFIMPL_TEST_JOB": tag}), cwd=REPO, start_new_session=True)
+    try:
+        ranks = {}  # world rank -> PID of the kept rank (its environment says REFIMPL_KEEPER=child)
+        deadline = time.monotonic() + 60
+        while len(ranks) < 3 and time.monotonic() < deadline:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    environ = dict(item.split("=", 1) for item in
+                                   open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+                                   if "=" in item)
+                    parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError):
+                    continue
+                if environ.get("REFIMPL_KEEPER") == "child" and environ.get("REFIMPL_TEST_JOB") == tag:
+                    ranks[int(environ["PMI_RANK"])] = (int(pid), parent)
+            time.sleep(0.2)
+        assert len(ranks) == 3, ranks
+        keepers = {parent for _, parent in ranks.values()}
+        assert len(keepers) == 3 and not keepers & {pid for pid, _ in ranks.values()}  # one keeper per rank
+        time.sleep(2)  # training
+        os.kill(ranks[1][0], signal.SIGKILL)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0, stderr
+    named = re.findall(r"^\[rank (\d+)\] killed by signal 9 \(SIGKILL.*\(PID (\d+) on ", stderr, re.M)
+    assert named == [("1", str(ranks[1][0]))], stderr

@@ -341,3 +341,48 @@ def test_a_bad_consolidate_out_is_refused_before_reading(ckpt, tmp_path, capsys,
     code, err = cli(capsys, "consolidate", ckpt, "--out", tmp_path / where)
     one_line_error(code, err, "error: --out ", message)
     assert (tmp_path / "target.npz").read_bytes() == b"keep"
+
+
+# -- files that are not regular files: refused before they are opened (opening a FIFO would block) --
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("which,command", [
+    ("shard", "resume"), ("shard", "consolidate"), ("manifest.json", "resume"), ("manifest.json", "consolidate"),
+])
+def test_a_fifo_in_a_named_step_is_refused_before_it_is_opened(ckpt, tmp_path, capsys, which, command):
+    step = ckpt / STEP2
+    name = which if which == "manifest.json" else next(p.name for p in step.iterdir() if p.name.startswith("shard"))
+    (step / name).unlink()
+    os.mkfifo(step / name)  # no writer ever opens it: an open() for reading would wait forever
+    if command == "resume":
+        code, err = cli(capsys, "train", *TINY, "--dtype", "float64", "--steps", "3", "--resume", step)
+    else:
+        code, err = cli(capsys, "consolidate", step, "--out", tmp_path / "merged.npz")
+    one_line_error(code, err, "not a regular file", name)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_shard_in_a_save_dir_falls_back_to_the_intact_step(ckpt, capsys):
+    step = ckpt / STEP2
+    shard = next(p for p in step.iterdir() if p.name.startswith("shard"))
+    shard.unlink()
+    os.mkfifo(shard)
+    code, err = cli(capsys, "train", *TINY, "--dtype", "float64", "--steps", "3", "--resume", ckpt)
+    assert code == 0, err
+    assert "not a regular file" in err and "step 1" in err, err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("argv", [
+    ["train", "--data", "{fifo}", "--steps", "1"],
+    ["train", "--schedule", "{fifo}:make", "--pp", "2", "--steps", "1"],
+    ["schedule", "{fifo}:make", "--pp", "2", "--micro-batches", "4"],
+    ["verify", "--trainer", "{fifo}:make", "--steps", "1"],
+])
+def test_a_fifo_given_for_any_input_file_is_refused_before_it_is_opened(tmp_path, capsys, argv):
+    fifo = tmp_path / "input.py"
+    os.mkfifo(fifo)
+    code, err = cli(capsys, *[a.replace("{fifo}", str(fifo)) for a in argv])
+    assert code == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(fifo) in errors[0], err

@@ -99,6 +99,7 @@ import numpy as np
 
 from refimpl import backend
 from refimpl.parallel import ring, staging
+from refimpl.parallel.launched import LAUNCHER_VARIABLES, under_mpiexec
 
 COLLECTIVES = ("mpi", "ring")
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -106,16 +107,6 @@ _NOT_WATCHED = contextlib.nullcontext()  # the context of a call no guard needs 
 INIT_TIMEOUT_S = 60.0  # default of REFIMPL_INIT_TIMEOUT: how long MPI_Init may wait for the others
 ABORT_GRACE_S = 0.25  # seconds between printing an abort's message and killing the job
 MAX_TAG = 32767  # the largest tag every MPI library must accept
-# The environment variables by which MPI launchers tell a process that it is a rank of a job
-# (MPICH's Hydra and Intel MPI, Open MPI, PMIx launchers such as Slurm's srun, MVAPICH).
-LAUNCHER_VARIABLES = (
-    "PMI_RANK",  # MPICH (hydra), Intel MPI
-    "PMI_SIZE",
-    "PMIX_RANK",  # Open MPI 5, Slurm with PMIx
-    "OMPI_COMM_WORLD_SIZE",  # Open MPI
-    "MPI_LOCALNRANKS",  # MPICH (hydra)
-    "MV2_COMM_WORLD_SIZE",  # MVAPICH
-)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -940,14 +931,6 @@ class LocalComm(Comm):
 # ------------------------------------------------------------------------------------------------
 
 _world: Comm | None = None  # the one global: created lazily, on the first get_world()
-
-
-def under_mpiexec(environ=os.environ) -> bool:
-    """Whether this process was started by an MPI launcher (REFIMPL_MPI=1/0 overrides)."""
-    forced = environ.get("REFIMPL_MPI", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return any(name in environ for name in LAUNCHER_VARIABLES)
 
 
 def get_world(collectives: str = "mpi") -> Comm:

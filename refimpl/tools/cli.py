@@ -43,9 +43,11 @@ class UsageError(ValueError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, except that under mpiexec only rank 0 prints usage and help, and, once the MPI
-    world of several ranks exists (`raise_errors`), a bad argument raises UsageError instead of
-    exiting: the ranks then compare their problems before they stop (see `main`)."""
+    """argparse, except that a bad argument is one line, `error: argument --steps: invalid int value:
+    'abc' (see python -m refimpl train --help)`, exit status 2, instead of the usage text and then the
+    error; under mpiexec only rank 0 prints help, and, once the MPI world of several ranks exists
+    (`raise_errors`), a bad argument raises UsageError instead of exiting: the ranks then compare their
+    problems before they stop (see `main`)."""
 
     raise_errors = False
 
@@ -54,11 +56,10 @@ class Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
     def error(self, message):
-        if not self.raise_errors:
-            super().error(message)  # usage and "prog: error: message" on stderr, exit status 2
-        error = UsageError(f"{self.prog}: {message}")
-        error.usage = self.format_usage()
-        raise error
+        text = f"{message} (see {self.prog} --help)"
+        if self.raise_errors:
+            raise UsageError(text)
+        self.exit(2, f"error: {text}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     world = _join_world()
     many = world is not None and world.size > 1
     Parser.raise_errors = many
-    args, problem, usage, help_shown = None, None, None, False
+    args, problem, help_shown = None, None, False
     try:
         args = build_parser().parse_args(argv)
         _start(args)
@@ -111,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         if not many:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        problem, usage = str(exc), getattr(exc, "usage", None)
+        problem = str(exc)
     try:
         if many:
-            code = _agree_on_startup(world, problem, usage, help_shown)
+            code = _agree_on_startup(world, problem, help_shown)
             if code is not None:
                 return code
         code = int(args._run(args) or 0)
@@ -166,16 +167,13 @@ def _start(args) -> None:
         args._check(args)
 
 
-def _agree_on_startup(world, problem, usage, help_shown) -> int | None:
+def _agree_on_startup(world, problem, help_shown) -> int | None:
     """Collective: exit status 2 on every rank if any rank had a startup problem (rank 0 prints
     each distinct one once, with the ranks that had it), 0 if help was shown, None to go on."""
-    found = world.allgather_object((problem, usage, help_shown))
-    if any(p for p, _, _ in found):
+    found = world.allgather_object((problem, help_shown))
+    if any(p for p, _ in found):
         if world.rank == 0:
-            first_usage = next((u for p, u, _ in found if u), None)
-            if first_usage:
-                print(first_usage, end="", file=sys.stderr)
-            for line in failure.problems_by_rank([p for p, _, _ in found]).splitlines():
+            for line in failure.problems_by_rank([p for p, _ in found]).splitlines():
                 print(f"error: {line}", file=sys.stderr)
         return 2
-    return 0 if any(h for _, _, h in found) else None
+    return 0 if any(h for _, h in found) else None

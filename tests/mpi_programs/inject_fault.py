@@ -11,7 +11,7 @@
 --kind raise      RuntimeError (an exception: failure.py's handler aborts the job)
        exit0/exit1  sys.exit(0) / sys.exit(1) (a rank that leaves early: the CLI aborts the job)
        os_exit    os._exit(3) (no Python cleanup at all: the launcher sees it)
-       kill       SIGKILL to itself (the launcher sees it)
+       kill       SIGKILL to itself (its keeper names it: "[rank R] killed by signal 9 ...")
        stop       SIGSTOP to itself (a frozen process: only the watchdog can see it)
        loop       a busy loop (the watchdog names where it runs)
        sleep      sleeps forever (a stall that still answers the watchdog)
@@ -30,6 +30,11 @@ import os
 import signal
 import sys
 import time
+
+from refimpl.tools.runtime import keeper
+
+if keeper.wanted():  # each rank runs as `python -m refimpl` runs it: the child of a keeper (keeper.py)
+    sys.exit(keeper.run_kept([__file__, *sys.argv[1:]]))
 
 from refimpl.parallel import comm as comm_module
 from refimpl.tools.runtime import guards

@@ -24,17 +24,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from refimpl.parallel.comm import LAUNCHER_VARIABLES  # any one of these set: started by a launcher
+from refimpl.parallel.launched import LAUNCHER_VARIABLES, RANK_VARIABLES, launcher_rank
 
-# This process's rank, in the first of these that is set.
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 # Every variable a launcher sets for its ranks starts with one of these.
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "MV2_", "I_MPI_")
-
-
-def launcher_rank(environ=os.environ) -> int:
-    """This process's rank as its launcher numbered it (0 when no launcher started it)."""
-    return int(next((environ[name] for name in RANK_VARIABLES if name in environ), "0"))
 
 
 def without_launcher(environ=os.environ) -> dict:

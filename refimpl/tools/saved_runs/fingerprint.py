@@ -33,6 +33,8 @@ import hashlib
 import json
 import os
 
+from refimpl.tools.saved_runs import safe_files
+
 # TrainConfig fields a resumed run may change: its length, where it saves, and how the same
 # arithmetic is laid out. A new TrainConfig field is part of the fingerprint unless it is named here
 # (tests/test_saved_runs_guards.py lists the fingerprint's fields, so adding one is a decision).
@@ -73,7 +75,7 @@ def file_sha256(path: str) -> str:
 def _file_sha256(path: str, version: tuple) -> str:
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
+        with safe_files.open_regular(path, f"--data {path!r}") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     except OSError as exc:

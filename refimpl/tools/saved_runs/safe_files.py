@@ -147,16 +147,28 @@ def open_confined(directory: str, name, what: str = "file"):
     when several names must all be valid before any is read."""
     path = check_name(directory, name, what)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        return open_regular(path, f"{what} {name}", os.O_RDONLY | _NOFOLLOW)
     except FileNotFoundError:
         raise ValueError(f"{what} {name} is missing") from None
+
+
+def open_regular(path: str, what: str, flags: int = os.O_RDONLY):
+    """Open `path` for reading if it is a regular file; a ValueError naming `what` otherwise. The file
+    is opened without blocking (O_NONBLOCK) and checked before anything is read: opening a FIFO for
+    reading would otherwise wait for a writer forever, and a device could be read without end.
+    FileNotFoundError passes through."""
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        raise ValueError(f"{what} {name} cannot be read: {exc.strerror or exc}") from None
-    f = os.fdopen(fd, "rb")
+        raise ValueError(f"{what} cannot be read: {exc.strerror or exc}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise ValueError(f"{what} {name} is not a regular file")
-    return f
+        os.close(fd)
+        raise ValueError(f"{what} is not a regular file (a directory, FIFO or device)")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def check_name(directory: str, name, what: str = "file") -> str:

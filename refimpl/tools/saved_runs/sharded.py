@@ -66,6 +66,7 @@ import json
 import math
 import os
 import re
+import stat
 import tempfile
 
 import numpy as np
@@ -367,7 +368,11 @@ def read_step(path: str, vet=None) -> Checkpoint:
     a ValueError from it is raised as Refused."""
     if not os.path.isdir(path):
         raise CheckpointError(path, "no such directory")
-    if not os.path.isfile(os.path.join(path, MANIFEST)):
+    manifest_path = os.path.join(path, MANIFEST)
+    if os.path.lexists(manifest_path) and not os.path.isfile(manifest_path):
+        raise CheckpointError(path, f"{MANIFEST} is not a regular file (a directory, FIFO or device); "
+                                    "the checkpoint is damaged or forged")
+    if not os.path.isfile(manifest_path):
         raise CheckpointError(path, f"incomplete, no {MANIFEST} (a save that was interrupted)")
     try:
         return _read(path, vet)
@@ -382,7 +387,7 @@ def read_step(path: str, vet=None) -> Checkpoint:
 def _load_manifest(path: str) -> dict:
     """The parsed manifest of step directory `path` (a JSON object of at most MANIFEST_LIMIT bytes), or ValueError."""
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
+        with safe_files.open_regular(os.path.join(path, MANIFEST), MANIFEST) as f:
             size = os.fstat(f.fileno()).st_size
             text = f.read() if size <= MANIFEST_LIMIT else None  # the size first: nothing huge is read
     except OSError as exc:
@@ -414,9 +419,13 @@ def _read(path: str, vet=None) -> Checkpoint:
         safe_files.check_name(path, shard["file"], "shard")
     for shard in manifest["shards"]:  # every size as recorded before any is read: the bound on shapes holds
         try:
-            size = os.stat(safe_files.check_name(path, shard["file"], "shard")).st_size
+            info = os.stat(safe_files.check_name(path, shard["file"], "shard"))
         except OSError:
             continue  # missing or unreadable: open_confined below says which
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open below: refused before it
+            raise ValueError(f"shard {shard['file']} is not a regular file (a directory, FIFO or device); "
+                             "the checkpoint is damaged or forged")
+        size = info.st_size
         if size != shard["bytes"]:
             raise ValueError(f"shard {shard['file']} is corrupt ({size} bytes, the manifest says "
                              f"{shard['bytes']} bytes)")
