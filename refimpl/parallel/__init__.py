@@ -9,11 +9,10 @@
                 per axis
     trainer.py  the one distributed trainer; data_parallel.py, zero/, tensor_parallel/, pipeline/
                 are its layers
-    failure.py  a failure on any rank aborts every rank with "[rank R] ErrorType: message"
-    watchdog.py a hang (a stopped rank, a loop, mismatched collectives) aborts the job after
-                --timeout seconds without progress, naming the ranks that did not arrive
-    threads.py  one BLAS/OpenMP thread budget per machine: max(1, cores // ranks on the node)
-    launcher.py the environment variables an MPI launcher sets for its ranks, and finding mpiexec
+    launched.py whether this process is a rank of an MPI job (the variables launchers set)
+
+The guards that end a job when a rank fails or hangs (a failure handler, a watchdog, a thread
+budget, a keeper per rank) are tools: refimpl/tools/runtime/, installed through comm.Guard.
 
 Importing this package imports nothing from MPI; see comm.get_world().
 """
