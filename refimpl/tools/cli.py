@@ -1,5 +1,6 @@
 """Command line:
-`python -m refimpl {train, verify, schedule, memory, consolidate, tensor-parallel, predict, plan, calibrate} ...`.
+`python -m refimpl {train, verify, distance, golden, schedule, memory, consolidate, tensor-parallel, predict, plan,
+calibrate} ...`.
 
 Each command lives in its own module in refimpl/tools/commands/, which provides `add_arguments(parser)`
 and `run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
@@ -23,6 +24,10 @@ from refimpl.tools.runtime.launcher import launcher_rank
 COMMANDS = {
     "train": ("refimpl.tools.commands.train", "train a model (one process, or data/pipeline parallel under mpiexec)"),
     "verify": ("refimpl.tools.commands.verify", "check a distributed run against single-process training"),
+    "distance": ("refimpl.tools.commands.distance",
+                 "measure how far an algorithm not meant to be equal is from single-process training"),
+    "golden": ("refimpl.tools.commands.golden",
+               "write a golden case of single-process training, or check another framework's results against it"),
     "schedule": ("refimpl.tools.commands.schedule", "generate, validate, simulate and draw a pipeline schedule"),
     "memory": ("refimpl.tools.commands.memory", "ZeRO memory per rank: the paper's estimator and the measured ledger"),
     "consolidate": ("refimpl.tools.commands.consolidate", "merge a sharded checkpoint into one state dict (.npz)"),
