@@ -206,6 +206,11 @@ HOST_BY_DESIGN = {
                                         "the host (WeightSplit.shard / WeightSplit.join: construction and "
                                         "verification)"),
     "objective.py": ({"asarray"}, "counts the targets of a host batch"),
+    "parallel/context_parallel/layout.py": ({"arange", "argsort", "concatenate"},
+                                            "token positions are host bookkeeping (small integer arrays), "
+                                            "moved to the arrays' memory where they index them"),
+    "parallel/context_parallel/ulysses.py": ({"concatenate"}, "the global order of the tokens: host positions, "
+                                             "moved with backend.asarray"),
     "tools/verification.py": ({"inf", "floating", "integer"},
                               "an injected overflow; a trainer's loss checked to be a number"),
     "tools/compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"},

@@ -10,6 +10,8 @@
     trainer.py  the one distributed trainer; data_parallel.py, zero/, tensor_parallel/, pipeline/
                 are its layers
     launched.py whether this process is a rank of an MPI job (the variables launchers set)
+    context_parallel/  ring attention and Ulysses: one sequence's attention over C ranks
+                (autograd Functions over a communicator; not yet an axis of the trainer)
 
 The guards that end a job when a rank fails or hangs (a failure handler, a watchdog, a thread
 budget, a keeper per rank) are tools: refimpl/tools/runtime/, installed through comm.Guard.
