@@ -21,21 +21,35 @@ backward (optimizers step only after backward).
 
 Mixed precision: float16 is a storage type. A float16 input is converted to float32 before forward,
 so every operation computes (and outputs) float32; the engine casts a leaf's gradient back to the
-leaf's dtype when it accumulates it (float16 parameters get float16 gradients).
+leaf's dtype when it accumulates it (float16 parameters get float16 gradients). bfloat16 (ml_dtypes,
+--dtype bf16) is a storage type the same way.
 """
 
 from __future__ import annotations
 
-from . import grad_mode
+from . import grad_mode, recording
 from .saved import saved_tensors
+
+STORAGE_DTYPES = ("float16", "bfloat16")  # bfloat16: ml_dtypes' (--dtype bf16, optim/precision.py)
 
 
 def _compute_array(array):
-    """float16 is a storage type: operations compute in float32 (NumPy has no fast float16 matmul)."""
-    return array.astype("float32") if array.dtype == "float16" else array
+    """float16 and bfloat16 are storage types: operations compute in float32 (NumPy has no fast
+    float16 matmul, and ml_dtypes' bfloat16 arithmetic is meant to be done after a cast)."""
+    return array.astype("float32") if array.dtype.name in STORAGE_DTYPES else array
 
 
-class _ParameterRef:
+class SavedRef:
+    """Something saved for backward that is not an array: `data()` produces the array when backward
+    reads it (a Parameter's current data; a recomputed activation, refimpl/checkpointing/auto.py)."""
+
+    __slots__ = ()
+
+    def data(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class _ParameterRef(SavedRef):
     """A saved Parameter: its data is looked up at backward time, so a sharded-parameter scheme
     (ZeRO-3) may free the array after forward and gather it again before backward."""
 
@@ -66,8 +80,18 @@ class Function:
         """Keep `arrays` until backward; counted by the saved-tensor ledger unless parameters."""
         if not self._recording:
             return
+        if recording.saves_deferred():  # an interceptor settles them after forward (recording.py)
+            self._pending_saves = arrays
+            return
+        self.settle_saved(arrays)
+
+    def settle_saved(self, entries) -> None:
+        """Keep `entries` for backward: arrays (counted by the ledger unless a Parameter's) or SavedRefs."""
         kept = []
-        for array in arrays:
+        for array in entries:
+            if isinstance(array, SavedRef):
+                kept.append(array)
+                continue
             param = self._param_of.get(id(array)) if array is not None else None
             if param is not None:
                 kept.append(_ParameterRef(param))  # not pinned: read again at backward time
@@ -83,7 +107,7 @@ class Function:
         """What forward saved; a saved Parameter is read (its current data) now, at backward time."""
         if self._saved is None:
             return None
-        return tuple(x.data() if isinstance(x, _ParameterRef) else x for x in self._saved)
+        return tuple(x.data() if isinstance(x, SavedRef) else x for x in self._saved)
 
     @property
     def released(self) -> bool:
@@ -110,6 +134,15 @@ class Function:
     @classmethod
     def apply(cls, *args, **options):
         """Run forward on the arrays of `args`; record the operation if a gradient is needed."""
+        interceptor = recording.current()
+        if interceptor is not None:  # recording mode (recording.py): the interceptor runs it
+            return interceptor.apply(cls, args, options)
+        return cls._apply(*args, **options)
+
+    @classmethod
+    def _apply(cls, *args, **options):
+        if recording._counters:
+            recording.forward_ran(cls.__name__)
         fn = cls()
         fn.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         fn._recording = grad_mode.is_enabled() and any(fn.needs_input_grad)

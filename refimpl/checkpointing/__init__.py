@@ -19,12 +19,16 @@ For a chain of n equal layers, each recorded layer saving R bytes and each layer
     apply_to_gpt, gpt_forward, current_plan   the GPT's blocks under a plan (gpt_blocks.py)
     selective_recomputation                   attention cores recomputed (gpt_blocks.py; plan "selective")
     count_forward_calls, measure_chain        exact measurements (measure.py)
+    AutoCheckpoint, record, articulation_points   automatic selection on any graph (auto.py, graph.py;
+                                              plans auto:memory, auto:speed)
 """
 
 from . import actions, revolve
 from .actions import simulate_chain
+from .auto import AutoCheckpoint, auto_checkpoint
 from .checkpoint import checkpoint
-from .gpt_blocks import apply_to_gpt, current_plan, gpt_forward, selective_recomputation
+from .gpt_blocks import AutoBlocks, apply_to_gpt, current_plan, gpt_forward, selective_recomputation
+from .graph import articulation_points, record
 from .measure import count_forward_calls, measure_chain
 from .plans import PLAN_FORMS, LayerCost, actions_for, chain_plan, parse_plan, predicted_cost, resolve_budget
 from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
@@ -32,4 +36,5 @@ from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
 __all__ = ["checkpoint", "checkpoint_sequential", "parse_plan", "PLAN_FORMS", "actions_for", "resolve_budget",
            "resolve_plan", "predicted_cost", "LayerCost", "measure_layer_cost", "simulate_chain", "actions", "revolve",
            "apply_to_gpt", "current_plan", "gpt_forward", "count_forward_calls", "measure_chain",
-           "selective_recomputation", "chain_plan"]
+           "selective_recomputation", "chain_plan", "AutoCheckpoint", "auto_checkpoint", "AutoBlocks", "record",
+           "articulation_points"]

@@ -27,14 +27,17 @@ from __future__ import annotations
 from refimpl.autograd.grad_mode import is_enabled as is_grad_enabled
 from refimpl.autograd.tensor import Tensor
 
+from .auto import AutoCheckpoint
 from .checkpoint import checkpoint
-from .plans import Budget, NoCheckpoint, Selective, chain_plan, parse_plan
+from .plans import Auto, Budget, NoCheckpoint, Selective, chain_plan, parse_plan
 from .sequential import checkpoint_sequential, measure_layer_cost, resolve_plan
 
 
 def gpt_forward(model, idx, plan="none", *, preserve_rng_state: bool = True) -> Tensor:
     """The GPT's logits (B, T, V), its blocks run under `plan`."""
     x = model.embed(idx)  # (B, T, C)
+    if isinstance(parse_plan(plan), Auto):  # one recording per call: keep apply_to_gpt's runner for many steps
+        return model.head(AutoBlocks(parse_plan(plan))(list(model.blocks), x))
     x = checkpoint_sequential(list(model.blocks), x, plan, preserve_rng_state=preserve_rng_state)
     return model.head(x)  # (B, T, V)
 
@@ -61,11 +64,45 @@ class CheckpointedBlocks:
         return checkpoint_sequential(blocks, x, plan, store=self.store)  # (B, T, C)
 
 
+class AutoBlocks:
+    """The blocks runner of an auto plan: the blocks' operations as one graph (auto.py), one
+    recording and plan per input shape. Also the runner of a pipeline stage's layers."""
+
+    def __init__(self, plan: Auto) -> None:
+        self.plan = plan
+        self.runs: dict = {}  # (shape, dtype) of the input -> AutoCheckpoint
+
+    def __call__(self, blocks, x) -> Tensor:
+        if not is_grad_enabled():
+            for block in blocks:
+                x = block(x)
+            return x
+        key = (x.shape, str(x.dtype))
+        if key not in self.runs:
+            self.runs[key] = AutoCheckpoint(_chain(tuple(blocks)), self.plan.rule)
+        return self.runs[key](x)  # (B, T, C)
+
+
+def _chain(blocks: tuple):
+    """The blocks as one function of x (a closure: state.py finds their dropout generators in it)."""
+    def run(x):
+        for block in blocks:
+            x = block(x)
+        return x
+    return run
+
+
 def apply_to_gpt(model, plan, store=None):
     """Make model(idx) run its blocks under `plan` ("none" restores the plain forward). Returns model.
     store: how kept block inputs are stored (partitioned activations); None keeps them whole."""
     plan = parse_plan(plan)
     selective_recomputation(model.blocks, isinstance(plan, Selective))
+    if isinstance(plan, Auto):
+        if store is not None:
+            raise ValueError(f"--checkpoint {plan} keeps tensors of the graph, not block inputs: it cannot be "
+                             "combined with --partition-activations; use a chain plan (sqrt, every:K) for that")
+        model.blocks_runner = AutoBlocks(plan)
+        return model
     blocks = chain_plan(plan)
     model.blocks_runner = None if isinstance(blocks, NoCheckpoint) else CheckpointedBlocks(blocks, store)
     return model
@@ -85,6 +122,8 @@ def selective_recomputation(blocks, on: bool = True) -> None:
 def current_plan(model):
     """The plan installed by apply_to_gpt (a plan object), or none."""
     runner = model.blocks_runner
+    if isinstance(runner, AutoBlocks):
+        return runner.plan
     blocks = runner.plan if isinstance(runner, CheckpointedBlocks) else NoCheckpoint()
     selective = any(block.attn.core_runner is not None for block in model.blocks)
     return Selective(blocks) if selective else blocks

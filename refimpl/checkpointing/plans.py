@@ -36,6 +36,10 @@ decides which blocks are recomputed whole, and every block that is recorded (in 
 or when a segment is re-recorded in backward) keeps only its core's inputs q, k, v. The chain
 functions below (actions_for, predicted_cost, ...) see the chain plan; gpt_blocks.py installs both.
 
+Automatic selection (Salimans and Bulatov's gradient-checkpointing package) works on the graph of
+the blocks' operations, not on the chain: `auto:memory` keeps about √m of the graph's m
+articulation points, `auto:speed` the outputs of matrix products (auto.py, graph.py).
+
 The peak of a plan is predicted by simulating its actions (actions.simulate_chain) with the layer's
 measured A, R and whether it saves its input array (LayerCost); the tests check the prediction
 against the engine's ledger.
@@ -50,7 +54,8 @@ from dataclasses import dataclass
 from . import revolve
 from .actions import Advance, Backprop, Free, Record, Restore, Snapshot, simulate_chain
 
-PLAN_FORMS = "none, sqrt, every:K, revolve:C, budget:BYTES, selective, selective+PLAN"
+PLAN_FORMS = "none, sqrt, every:K, revolve:C, budget:BYTES, selective, selective+PLAN, auto:memory, auto:speed"
+AUTO_RULES = ("memory", "speed")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -100,6 +105,16 @@ class Selective:
         return "selective" if isinstance(self.blocks, NoCheckpoint) else f"selective+{self.blocks}"
 
 
+@dataclass(frozen=True)
+class Auto:
+    """Automatic selection on the graph of the blocks' operations (auto.py): rule memory or speed."""
+
+    rule: str
+
+    def __str__(self) -> str:
+        return f"auto:{self.rule}"
+
+
 def chain_plan(plan):
     """The plan of the chain of blocks (a Selective plan's `blocks`; any other plan itself)."""
     plan = parse_plan(plan)
@@ -121,7 +136,7 @@ class LayerCost:
 
 def parse_plan(text) -> object:
     """'none' | 'sqrt' | 'every:K' | 'revolve:C' | 'budget:BYTES' -> a plan object (plans pass through)."""
-    if isinstance(text, (NoCheckpoint, Every, SqrtSegments, Revolve, Budget, Selective)):
+    if isinstance(text, (NoCheckpoint, Every, SqrtSegments, Revolve, Budget, Selective, Auto)):
         return text
     if not isinstance(text, str):
         raise TypeError(f"a checkpointing plan is a string ({PLAN_FORMS}), got {type(text).__name__}")
@@ -132,9 +147,19 @@ def parse_plan(text) -> object:
         blocks = parse_plan(rest) if plus else NoCheckpoint()
         if isinstance(blocks, Selective):
             raise ValueError(f"checkpointing plan {text!r}: selective appears twice")
+        if isinstance(blocks, Auto):
+            raise ValueError(f"checkpointing plan {text!r}: an auto plan chooses its own checkpoints; use it alone")
         return Selective(blocks)
     name, _, arg = text.strip().partition(":")
     name = name.lower()
+    if name == "auto":
+        rule = arg.strip().lower()
+        if rule not in AUTO_RULES:
+            raise ValueError(f"checkpointing plan {text!r}: unknown rule {arg.strip()!r}; choose auto:memory (about √n "
+                             "articulation points) or auto:speed (outputs of matrix products)")
+        if head.lower() != text.strip().lower():
+            raise ValueError(f"checkpointing plan {text!r}: an auto plan chooses its own checkpoints; use it alone")
+        return Auto(rule)
     if name in ("none", "sqrt"):
         if arg:
             raise ValueError(f"checkpointing plan {name!r} takes no argument, got {text!r}")
@@ -198,6 +223,8 @@ def actions_for(plan, n: int) -> list | None:
         return segment_actions(n, sqrt_segment(n))
     if isinstance(plan, Revolve):
         return revolve.plan(n, plan.slots)
+    if isinstance(plan, Auto):
+        raise ValueError(f"{plan} chooses checkpoints on the graph of operations (auto.py), not as a chain schedule")
     raise ValueError(f"{plan} must be resolved with resolve_budget before it has a schedule")
 
 

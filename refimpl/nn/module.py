@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from refimpl import backend
+from refimpl.autograd import recording
 from refimpl.autograd.function import Function
 from refimpl.autograd.tensor import HookHandle, Parameter, Tensor
 
@@ -120,6 +121,7 @@ class Module:
         raise NotImplementedError
 
     def __call__(self, *args, **kwargs):
+        recording.module_entered(self)  # recording mode sees module calls (autograd/recording.py)
         for hook in self._forward_pre_hooks:
             replaced = hook(self, args)
             if replaced is not None:
@@ -136,6 +138,7 @@ class Module:
                 output = replaced
         if state is not None:
             output = state.wrap_outputs(output)
+        recording.module_left(self)
         return output
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 
-from refimpl.autograd import grad_mode
+from refimpl.autograd import grad_mode, recording
 from refimpl.nn import batch_rows
 
 
@@ -53,12 +53,12 @@ class Interleaver:
         self.errors: list = [None, None]
         self.requests: list = []  # requests in flight (polled at every switch)
         self.switches = 0
-        self._state = [None, None]  # each task's (grad mode, batch rows) while it is paused
+        self._state = [None, None]  # each task's (grad mode, batch rows, recording state) while it is paused
         self._local = threading.local()
 
     def run(self, first, second) -> None:
         """first() and second(), interleaved; first starts. Exceptions are re-raised here."""
-        state = (grad_mode.is_enabled(), batch_rows.current())
+        state = (grad_mode.is_enabled(), batch_rows.current(), recording.state())
         self._state = [state, state]
         threads = [threading.Thread(target=self._task, args=(i, fn), daemon=True)
                    for i, fn in enumerate((first, second))]
@@ -83,7 +83,7 @@ class Interleaver:
         if self.done[1 - i]:
             return  # the other task has finished: nothing to overlap with
         with self.condition:
-            self._state[i] = (grad_mode.is_enabled(), batch_rows.current())
+            self._state[i] = (grad_mode.is_enabled(), batch_rows.current(), recording.state())
             self.turn = 1 - i
             self.switches += 1
             self.condition.notify_all()
@@ -114,9 +114,10 @@ class Interleaver:
 
     @staticmethod
     def _restore_state(state: tuple) -> None:
-        recording, rows = state
-        grad_mode.set_enabled(recording)
+        grad_enabled, rows, interception = state  # (auto checkpointing intercepts a task's operations)
+        grad_mode.set_enabled(grad_enabled)
         batch_rows.set_current(rows)
+        recording.set_state(interception)
 
 
 __all__ = ["Interleaver"]

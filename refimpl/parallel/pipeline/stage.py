@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from refimpl import backend
 from refimpl.autograd.tensor import Tensor
-from refimpl.checkpointing import checkpoint_sequential, resolve_plan
+from refimpl.checkpointing import AutoBlocks, checkpoint_sequential, parse_plan, resolve_plan
 from refimpl.nn.layers import MLP
 from refimpl.nn.models import GPT, MLPClassifier
 from refimpl.nn.module import Module
@@ -180,6 +180,10 @@ class Stage:
         # Activation checkpointing inside the stage: the stage's layers are the chain that the
         # plan (sqrt, every:K, revolve:C, budget:B) recomputes during this stage's backward.
 
+        if str(plan).startswith("auto:"):  # the graph of the stage's operations (checkpointing/auto.py)
+            if "auto" not in self._resolved:
+                self._resolved["auto"] = AutoBlocks(parse_plan(plan))
+            return self._resolved["auto"](self.layers, x)
         key = (x.shape, str(x.dtype))
         if key not in self._resolved:  # a budget plan measures one layer once per input shape
             self._resolved[key] = resolve_plan(plan, self.layers, x)

@@ -131,6 +131,9 @@ def check_options(tp: int, sequence_parallel: bool = False, partition_activation
         if sequence_parallel:
             raise ValueError("--partition-activations has nothing to divide with --sequence-parallel: each kept "
                              "block input is already this rank's 1/t sequence shard; drop one of the two")
+        if str(chain_plan(checkpoint)).startswith("auto:"):
+            raise ValueError(f"--partition-activations divides kept block inputs, and --checkpoint {checkpoint} keeps "
+                             "tensors of the graph instead; use a chain plan (e.g. --checkpoint every:1) with it")
         if str(chain_plan(checkpoint)) == "none":
             raise ValueError(f"--partition-activations divides the kept block inputs of a checkpointing plan, and "
                              f"--checkpoint {checkpoint} keeps none; use e.g. --checkpoint every:1")
