@@ -39,7 +39,7 @@ import os
 import numpy as np
 
 BACKENDS = ("numpy", "cupy")
-SUPPORTED_DTYPES = ("float16", "float32", "float64")
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INSTALL_CUPY = ("pip install 'refimpl[cuda]' (cupy-cuda12x, for CUDA 12) or "
                 "pip install 'refimpl[cuda13]' (cupy-cuda13x, for CUDA 13)")
 
@@ -153,12 +153,31 @@ def to_host(array) -> np.ndarray:
 
 
 def asarray(data, dtype=None):
-    """An array of the active backend holding `data`."""
-    return xp().asarray(data, dtype=dtype)
+    """An array of the active backend holding `data` ("bfloat16": ml_dtypes' dtype)."""
+    return xp().asarray(data, dtype=bfloat16() if str(dtype) == "bfloat16" else dtype)
+
+
+INSTALL_ML_DTYPES = "pip install ml_dtypes"
+
+
+def bfloat16() -> np.dtype:
+    """NumPy's dtype of bfloat16, from ml_dtypes (NumPy has none): a ValueError with the install
+    command when ml_dtypes is missing, and on the CuPy backend, which has no bfloat16 arrays."""
+    if name() == "cupy":
+        raise ValueError("--dtype bf16 runs on the numpy backend only (CuPy has no bfloat16 arrays); "
+                         "use --backend numpy, or --dtype mixed on the GPU")
+    try:
+        import ml_dtypes  # noqa: PLC0415 - optional: only bfloat16 storage needs it
+    except ImportError as exc:
+        raise ValueError(f"--dtype bf16 stores arrays in bfloat16 from ml_dtypes, which cannot be imported "
+                         f"({exc}): {INSTALL_ML_DTYPES}") from exc
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def check_dtype(dtype) -> np.dtype:
     """Return `dtype` as a NumPy dtype, or raise a clear error if refimpl does not support it."""
+    if str(dtype) == "bfloat16":
+        return bfloat16()
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:

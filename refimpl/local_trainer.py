@@ -29,10 +29,13 @@ class LocalTrainer:
     With float16 parameters (--dtype mixed) it follows mixed precision's recipe, as the ZeRO
     trainers do (optim/precision.py): backward of loss · S into float16 gradients, then in float32
     g = float32(g16) / S; any non-finite element skips the step and backs the scale off; otherwise
-    clip, update the float32 master weights and copy them into the float16 parameters.
+    clip, update the float32 master weights and copy them into the float16 parameters. With
+    bfloat16 parameters (--dtype bf16) the same without the loss scale: each micro-batch's gradient
+    arrives rounded to bfloat16 and is added into a float32 gradient, as the ZeRO trainers reduce it.
     """
 
     world_size, rank = 1, 0
+    implements = frozenset({"--grad-accum", "--dtype", "--mem-budget"})  # protocols.IMPLEMENTATION_FLAGS it honours
 
     def __init__(self, model, optimizer, grad_accum: int = 1, clip: float = 0.0, budget: int | None = None) -> None:
         self.model, self.optimizer, self.grad_accum, self.clip = model, optimizer, grad_accum, clip
@@ -41,10 +44,18 @@ class LocalTrainer:
         self.steps_done = 0  # the global batch's number, for split-independent dropout masks
         self.params = model.parameters()
         self.scaler = LossScaler() if self.params[0].dtype == "float16" else None
-        if self.scaler is not None:  # float32 master weights and their optimizer state
+        self.masters = None  # float32 master weights under float16 or bfloat16 storage (optim/precision.py)
+        if self.params[0].dtype.name in ("float16", "bfloat16"):  # master weights and their optimizer state
             self.masters = [p.data.astype("float32") for p in self.params]
             self.states = [optimizer.init_state(m) for m in self.masters]
+        if self.params[0].dtype.name == "bfloat16":  # each micro-batch's bfloat16 gradient is added in float32
+            for p in self.params:
+                p.grad = backend.xp().zeros(p.shape, "float32")
+        if self.masters is not None:  # the optimizer updates the masters: its state is theirs (float32)
+            optimizer.state = self.states
         self.ledger = track_replicated(self.params, optimizer, budget)  # memory by category (memory.py)
+        for master in self.masters or ():
+            self.ledger.register("master_weights", master, "float32 master weights")
         model.register_forward_hook(lambda module, args, output: self.ledger.check_activations())
 
     def step(self, x, y) -> float:
@@ -56,7 +67,7 @@ class LocalTrainer:
                                     loss_scale=1.0 if self.scaler is None else self.scaler.scale)
             (loss if self.scaler is None else loss * self.scaler.scale).backward()
             loss_value += float(loss.item())
-        if self.scaler is None:
+        if self.masters is None:
             if self.clip > 0:
                 clip_grad_norm_(self.params, self.clip)
             self._record([p.grad for p in self.params])
@@ -70,6 +81,8 @@ class LocalTrainer:
     def _mixed_precision_step(self) -> None:
         xp = backend.xp()
         grads = [p.grad.astype("float32") if p.grad is not None else xp.zeros(p.shape, "float32") for p in self.params]
+        if self.scaler is None:  # bfloat16: no loss scale, no skipped steps
+            return self._master_weight_step(grads)
         for g in grads:
             g *= 1.0 / self.scaler.scale
         overflow = not all(bool(xp.isfinite(g).all()) for g in grads)
@@ -82,12 +95,23 @@ class LocalTrainer:
                 p.data[...] = master
         self.scaler.update(overflow)
 
+    def _master_weight_step(self, grads) -> None:
+        """bfloat16: clip the float32 gradients, update the float32 master weights, round them into
+        the bfloat16 parameters."""
+        if self.clip > 0:
+            scale_to_max_norm_(grads, squared_norm(grads), self.clip)
+        self._record(grads)
+        for p, master, g, state in zip(self.params, self.masters, grads, self.states):
+            self.optimizer.update(master, g, state)
+            p.data[...] = master
+
     def load_mixed_state(self, masters: dict, optimizer_state: dict) -> None:
         """Take another run's master weights, optimizer state and loss scale (the distributed
         Trainer's full_optimizer_state, parallel/trainer.py)."""
         load_whole(list(self.model.named_parameters()), self.masters, self.states, masters, optimizer_state["arrays"],
                    optimizer_state["step"])
-        self.scaler.load_state_dict(optimizer_state["loss_scaler"])
+        if self.scaler is not None:  # bfloat16 has no loss scale
+            self.scaler.load_state_dict(optimizer_state["loss_scaler"])
 
     def _record(self, grads) -> None:
         if self.record_grads:
@@ -96,11 +120,13 @@ class LocalTrainer:
 
     def full_parameters(self) -> dict:
         """{name: NumPy array} of the whole model (under mixed precision: the float32 master weights)."""
-        if self.scaler is None:
+        if self.masters is None:
             return self.model.state_dict()
         return {name: backend.to_host(m).copy() for (name, _), m in zip(self.model.named_parameters(), self.masters)}
 
     def report(self) -> dict:
+        if self.masters is not None and self.scaler is None:
+            return {"precision": "bf16"}
         if self.scaler is None:
             return {}
         return {"precision": "mixed", "loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped}
@@ -112,7 +138,7 @@ class LocalTrainer:
     # -- sharded checkpoints (saved_runs/sharded.py): one process holds the whole state -----------
     def _whole_state(self) -> tuple[list, list]:
         """(masters, states): the arrays the optimizer updates and their states, one per parameter."""
-        if self.scaler is not None:
+        if self.masters is not None:
             return self.masters, self.states
         return [p.data for p in self.params], self.optimizer.state
 

@@ -18,7 +18,8 @@ ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, section 5 and Table 1; section 
 communication). Stage s partitions the first s of (optimizer states, gradients, parameters) over
 the N data-parallel ranks. For Ψ parameters, P and G bytes per parameter and gradient element and
 K bytes of optimizer state per parameter (mixed-precision Adam: P = 2, G = 2, K = 12, with
-K = 4 fp32 master + 4 momentum + 4 variance; float32 Adam 4, 4, 8; float64 Adam 8, 8, 16), model
+K = 4 fp32 master + 4 momentum + 4 variance; bfloat16 Adam 2, 4, 12, its gradients kept in float32;
+float32 Adam 4, 4, 8; float64 Adam 8, 8, 16), model
 states per rank and elements each rank sends per optimizer step on a ring, with g micro-batches
 per step (gradient accumulation; refimpl's rule for each stage):
 
@@ -106,7 +107,9 @@ STAGE_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 STAGE_FORMULAS = {0: "(P+G+K)Ψ", 1: "(P+G)Ψ + KΨ/N", 2: "PΨ + (G+K)Ψ/N", 3: "(P+G+K)Ψ/N"}
 COMM_FORMULAS = {0: "2Ψ(N-1)/N", 1: "2Ψ(N-1)/N", 2: "(g+1)Ψ(N-1)/N", 3: "3gΨ(N-1)/N"}
 # Bytes per parameter (P, G, K) for Adam: parameters, gradients, optimizer state (+ fp32 master).
-PRECISIONS = {"mixed": (2, 2, 12), "float32": (4, 4, 8), "float64": (8, 8, 16)}
+# bf16 (optim/precision.py): bfloat16 parameters, gradients accumulated and reduced in float32 (G = 4, as
+# Megatron-LM accumulates bfloat16 gradients in float32), float32 master weights and Adam states.
+PRECISIONS = {"mixed": (2, 2, 12), "bf16": (2, 4, 12), "float32": (4, 4, 8), "float64": (8, 8, 16)}
 
 
 class OutOfMemoryBudget(ValueError):
@@ -286,7 +289,8 @@ def expert_blocks(blocks: int, experts: int, moe_every: int) -> int:
 
 def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1, tied: bool = False,
                           experts: int = 0, moe_every: int = 1, ep: int = 1, embedding: bool = True,
-                          head: bool = True) -> list[tuple[int, int, str]]:
+                          head: bool = True, arch: str = "gpt2", kv_width: int | None = None,
+                          ffn: int | None = None) -> list[tuple[int, int, str]]:
     """refimpl's GPT (nn/models.py) as one rank holds it, tensor by tensor: (elements, how many, kind).
 
     Vocabulary V, positions s, width h, `blocks` blocks; a pipeline stage passes its own blocks and
@@ -297,6 +301,8 @@ def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1
     dense block 12h² + 13h: 12h² + 7h split, 6h whole. A tied head is wte itself: a second copy
     only on a stage without the embedding. t divides h (it divides the heads), so every split is exact.
     """
+    if arch == "llama":
+        return llama_parameter_tensors(vocab, h, blocks, kv_width or h, ffn or 4 * h, tied, embedding, head)
     t, V = tp, -(-vocab // tp) * tp
     moe = expert_blocks(blocks, experts, moe_every)
     dense, mine = blocks - moe, moe * (experts // ep)  # blocks with the dense MLP; this rank's expert MLPs
@@ -312,6 +318,23 @@ def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1
         (4 * h * h, mine, "experts"), (4 * h, mine, "experts"), (4 * h * h, mine, "experts"), (h, mine, "experts"),
         (h, 2 * int(head), "whole"),  # ln_f
         (V * h // t, int(head and not (tied and embedding)), "split"),  # lm_head (V', h)
+    ]
+
+
+def llama_parameter_tensors(vocab: int, h: int, blocks: int, kv_width: int, ffn: int, tied: bool = False,
+                            embedding: bool = True, head: bool = True) -> list[tuple[int, int, str]]:
+    """The GPT with --arch llama (nn/layers.py's LlamaBlock) on one process, tensor by tensor, as
+    gpt_parameter_tensors: width h, key/value width kv_width = kv_heads·h/n_head, SwiGLU width F.
+    No biases and no position table; per block 2h² + 2h·kv_width + 3h·F + 2h (wq, wo; wk, wv;
+    w1, w3, w2; two RMSNorm gains). Multi-head attention (kv_width = h) with F = 4h gives 16h² + 2h."""
+    return [
+        (vocab * h, int(embedding), "whole"),  # wte (V, h)
+        (h, 2 * blocks, "whole"),  # the two RMSNorm gains of each block
+        (h * h, 2 * blocks, "whole"),  # wq, wo
+        (h * kv_width, 2 * blocks, "whole"),  # wk, wv
+        (h * ffn, 3 * blocks, "whole"),  # w1 (gate), w3 (up), w2 (down)
+        (h, int(head), "whole"),  # ln_f (RMSNorm)
+        (vocab * h, int(head and not (tied and embedding)), "whole"),  # lm_head (V, h)
     ]
 
 
@@ -341,8 +364,9 @@ def bytes_per_parameter(precision: str, optimizer: str = "adamw", momentum: bool
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     p, g, _ = PRECISIONS[precision]
-    state = 4 if precision == "mixed" else p  # optimizer state is kept in float32 under mixed precision
-    master = 4 if precision == "mixed" else 0
+    sixteen_bit = precision in ("mixed", "bf16")  # optimizer state and master weights kept in float32
+    state = 4 if sixteen_bit else p
+    master = 4 if sixteen_bit else 0
     if optimizer == "adamw":
         return p, g, master + 2 * state
     if optimizer == "sgd":
@@ -415,7 +439,8 @@ def expert_elements_per_token(h: int, experts: int, top_k: int) -> int:
 
 def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
                              dropout: bool = False, recompute: str = "none", partitioned: bool = False,
-                             experts: int = 0, top_k: int = 0) -> dict:
+                             experts: int = 0, top_k: int = 0, arch: str = "gpt2", kv_width: int | None = None,
+                             ffn: int | None = None) -> dict:
     """Elements one rank saves in one block's forward, by how they scale; sum them for the total:
     (16 + 2[p])·N·h + 2N + (1 + 2[p])·b·a·s² on one process (Korthikanti et al. 2022, §4.1, counted
     as refimpl saves: the module docstring's table), N = b·s tokens.
@@ -424,6 +449,12 @@ def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequen
     (none with selective recomputation); with experts (E, K per token) also "experts", the bound of
     expert_elements_per_token. recompute="full": {"input"}, the kept block input, N·h (/t with
     sequence parallelism or partitioned activations). Exact, as the saved-tensor ledger counts.
+
+    arch="llama" (LlamaBlock, on one process): the norms save x̂, 1/rms and their outputs as
+    LayerNorm does, RoPE saves nothing (its cos/sin are constants of the positions), and the
+    block saves q (N·h), k and v (N·kv_width each, not copied per query head), the heads' output
+    (N·h) and SwiGLU's gate, up projection and output (N·F each):
+    (4 + 2[p])·N·h + 2N + 2·N·h + 2·N·kv_width + 3·N·F + (1 + 2[p])·b·a·s².
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
@@ -432,6 +463,8 @@ def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequen
         return {"input": N * h // (tp if sequence_parallel or partitioned else 1)}
     whole = (4 + 2 * p) * N * h + 2 * N  # layer norms, qkv/fc inputs, masks
     split = 12 * N * h  # q, k, v, proj input, GeLU input and output
+    if arch == "llama":  # q and wo's input, k and v (kv_width each), SwiGLU's gate, up and w2's input (F each)
+        split = 2 * N * h + 2 * N * (kv_width or h) + 3 * N * (ffn or 4 * h)
     attention = 0 if recompute == "selective" else (1 + 2 * p) * b * a * s * s
     out = {"whole": 0, "split": (whole + split) // tp} if sequence_parallel else {"whole": whole, "split": split // tp}
     out["attention"] = attention // tp
@@ -458,22 +491,24 @@ def saved_elements_outside_blocks(b: int, s: int, h: int, vocab: int, dropout: b
 
 
 def saved_elements(b: int, s: int, h: int, a: int, vocab: int, layers: int, dropout: bool = False,
-                   model: str = "gpt") -> int:
+                   model: str = "gpt", arch: str = "gpt2", kv_width: int | None = None, ffn: int | None = None) -> int:
     """Elements the saved-tensor ledger holds at its peak for one micro-batch on one process, the
     loss aside. GPT: `layers` blocks, the embedding and the head (the module docstring's sum). MLP
     classifier (widths 2 → h, `layers` times, → vocab classes; s and a unused): each layer's input,
     which is the previous tanh's output (saved once), and the probabilities, b·(2 + layers·h + vocab)."""
     if model == "mlp":
         return b * (2 + layers * h + vocab)
-    block = sum(saved_elements_per_block(b, s, h, a, dropout=dropout).values())
+    block = sum(saved_elements_per_block(b, s, h, a, dropout=dropout, arch=arch, kv_width=kv_width,
+                                         ffn=ffn).values())
     return layers * block + sum(saved_elements_outside_blocks(b, s, h, vocab, dropout).values())
 
 
 def saved_bytes(b: int, s: int, h: int, a: int, vocab: int, layers: int, itemsize: int, dropout: bool = False,
-                loss_scaled: bool = False, model: str = "gpt") -> int:
+                loss_scaled: bool = False, model: str = "gpt", arch: str = "gpt2", kv_width: int | None = None,
+                ffn: int | None = None) -> int:
     """saved_elements at `itemsize` bytes, and the loss: one scalar (two with mixed precision's loss
-    scale). The ledger's peak for one micro-batch, to the byte (tests/test_preflight.py)."""
-    return itemsize * (saved_elements(b, s, h, a, vocab, layers, dropout, model) + 1 + loss_scaled)
+    scale). The ledger's peak for one micro-batch, to the byte (tests/test_preflight.py, tests/test_llama.py)."""
+    return itemsize * (saved_elements(b, s, h, a, vocab, layers, dropout, model, arch, kv_width, ffn) + 1 + loss_scaled)
 
 
 def korthikanti_bytes_per_block(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,

@@ -34,7 +34,8 @@ class Tensor:
         self.output_index = 0
         self._hooks: list = []  # leaf: called on the gradient before it is accumulated
         self._post_accumulate_hooks: list = []  # leaf: called with the tensor after accumulation
-        if self.requires_grad and self.data.dtype.kind != "f":
+        floating = self.data.dtype.kind == "f" or self.data.dtype.name == "bfloat16"  # ml_dtypes' has kind "V"
+        if self.requires_grad and not floating:
             raise TypeError(f"only floating-point tensors can require gradients, got dtype {self.data.dtype}")
 
     @classmethod

@@ -3,9 +3,22 @@
 from refimpl.autograd.tensor import Parameter
 
 from . import functional
-from .layers import MLP, Block, CausalSelfAttention, Dropout, Embedding, LayerNorm, Linear
+from .layers import (
+    MLP,
+    Block,
+    CausalSelfAttention,
+    Dropout,
+    Embedding,
+    GroupedQueryAttention,
+    LayerNorm,
+    Linear,
+    LlamaBlock,
+    RMSNorm,
+    SwiGLU,
+)
 from .models import GPT, GPTConfig, MLPClassifier
 from .module import Module, ModuleList
 
 __all__ = ["Parameter", "functional", "Module", "ModuleList", "Linear", "LayerNorm", "Embedding", "Dropout",
-           "MLP", "CausalSelfAttention", "Block", "GPT", "GPTConfig", "MLPClassifier"]
+           "MLP", "CausalSelfAttention", "Block", "RMSNorm", "SwiGLU", "GroupedQueryAttention", "LlamaBlock", "GPT",
+           "GPTConfig", "MLPClassifier"]

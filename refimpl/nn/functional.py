@@ -10,7 +10,10 @@ vocabulary, (…) any leading dimensions.
     linear(x, w, b)            y = x wᵀ + b              w: (out, in), as in PyTorch
     embedding(w, idx)          y = w[idx]                backward scatters-adds into w's rows
     layer_norm(x, w, b, eps)   y = (x − μ)/√(σ² + eps) · w + b  over the last axis
+    rms_norm(x, w, eps)        y = x/√(mean(x²) + eps) · w  over the last axis (Llama)
+    rotary(x, positions, base) each adjacent pair (x₂ᵢ, x₂ᵢ₊₁) of the last axis rotated by pos·θᵢ (RoPE)
     gelu(x, approximate)       x·Φ(x) ("none") or its tanh approximation ("tanh", GPT-2's)
+    swiglu(a, b)               silu(a) ⊙ b,  silu(a) = a·σ(a)  (the gated unit of Llama's MLP)
     softmax(x, axis)           stable: computed from x − max(x)
     causal_softmax(x, m, s)    softmax(s·x) with −∞ where the mask m is True (attention scores)
     cross_entropy(logits, t)   mean (or sum) of −log softmax(logits)[t] over targets ≠ ignore_index
@@ -117,6 +120,92 @@ def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-5) -> Tensor:
     return LayerNormFunction.apply(x, w, b, eps)
 
 
+class RMSNormFunction(Function):
+    """Root-mean-square normalisation (Zhang & Sennrich 2019, arXiv 1910.07467), Llama's norm.
+
+        r = 1/√(mean(x²) + eps)   (…, 1)        x̂ = x·r   (…, C)        y = x̂ ⊙ w
+
+    LayerNorm without the centring and the bias. Backward, with gw = g ⊙ w:
+
+        dx = r · (gw − x̂ · mean(gw ⊙ x̂))        dw = Σ_rows g ⊙ x̂
+    """
+
+    def forward(self, x, w, eps):
+        rstd = 1.0 / xp().sqrt((x * x).mean(axis=-1, keepdims=True) + eps)  # (…, 1)
+        xhat = x * rstd  # (…, C)
+        self.save_for_backward(xhat, rstd, w)
+        return xhat * w
+
+    def backward(self, g, needs):
+        xhat, rstd, w = self.saved
+        dx = dw = None
+        if needs[0]:
+            gw = g * w  # (…, C)
+            dx = gw - xhat * (gw * xhat).mean(axis=-1, keepdims=True)
+            dx *= rstd
+        if needs[1]:
+            dw = _leading_sum(g * xhat, 1)
+        return dx, dw, None
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
+    if w.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight {w.shape} must be ({x.shape[-1]},) for an input of shape {x.shape}")
+    return RMSNormFunction.apply(x, w, eps)
+
+
+# --- rotary position embedding ----------------------------------------------------------------
+def rotary_angles(positions, d_head: int, base: float = 10000.0):
+    """(cos, sin) of the angles p·θᵢ, θᵢ = base^(−2i/D) for i < D/2: each (T, D/2) for positions (T,)."""
+    theta = base ** (-xp().arange(0, d_head, 2, dtype="float64") / d_head)  # (D/2,)
+    angles = xp().asarray(positions, dtype="float64")[:, None] * theta  # (T, D/2)
+    return xp().cos(angles), xp().sin(angles)
+
+
+class RotaryFunction(Function):
+    """Rotary position embedding (Su et al. 2021, RoFormer, arXiv 2104.09864, eq. 34).
+
+    The last axis (D, a head's width) is read as D/2 adjacent pairs (x₂ᵢ, x₂ᵢ₊₁), as in RoFormer
+    and Meta's Llama code (not the "rotate_half" pairing of GPT-NeoX and Hugging Face, which pairs
+    dimension i with i + D/2: the same up to a fixed permutation of the projection's rows). The
+    pair at position p is rotated by the angle p·θᵢ, θᵢ = base^(−2i/D):
+
+        y₂ᵢ   = x₂ᵢ cos(pθᵢ) − x₂ᵢ₊₁ sin(pθᵢ)
+        y₂ᵢ₊₁ = x₂ᵢ sin(pθᵢ) + x₂ᵢ₊₁ cos(pθᵢ)
+
+    so (R_m q)·(R_n k) = q·(R_{n−m} k): attention scores depend on positions only through n − m.
+    A rotation's inverse is its transpose, so backward rotates g by −pθᵢ. No array is saved: cos and
+    sin are (T, D/2) constants of the positions.
+    """
+
+    def forward(self, x, cos, sin):
+        self.cos, self.sin = cos, sin  # (T, D/2) each, broadcast over the leading axes of x (…, T, D)
+        return self._rotate(x, sin)
+
+    def _rotate(self, x, sin):
+        pairs = x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))  # (…, T, D/2, 2)
+        even, odd = pairs[..., 0], pairs[..., 1]  # (…, T, D/2) each
+        y = xp().empty(pairs.shape, dtype=x.dtype)
+        y[..., 0] = even * self.cos - odd * sin
+        y[..., 1] = even * sin + odd * self.cos
+        return y.reshape(x.shape)  # (…, T, D)
+
+    def backward(self, g, needs):
+        return self._rotate(g, -self.sin), None, None
+
+
+def rotary(x: Tensor, positions, base: float = 10000.0) -> Tensor:
+    """RoPE on x of shape (…, T, D): the pairs at row t rotated by positions[t]·θᵢ (global positions)."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"rotary: the head width must be even (RoPE rotates pairs of dimensions), got {d}")
+    positions = positions.data if isinstance(positions, Tensor) else xp().asarray(positions)
+    if positions.shape != (x.shape[-2],):
+        raise ValueError(f"rotary: {positions.shape} positions for {x.shape[-2]} rows of an input of shape {x.shape}")
+    cos, sin = rotary_angles(positions, d, base)
+    return RotaryFunction.apply(x, cos.astype(x.dtype), sin.astype(x.dtype))
+
+
 # --- activations ------------------------------------------------------------------------------
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -172,6 +261,47 @@ def gelu(x: Tensor, approximate: str = "tanh") -> Tensor:
     if approximate not in ("tanh", "none"):
         raise ValueError(f"gelu: approximate must be 'tanh' or 'none', got {approximate!r}")
     return GeluFunction.apply(x, approximate)
+
+
+class SwiGLUFunction(Function):
+    """The gated linear unit with a Swish gate (Shazeer 2020, arXiv 2002.05202, eq. 6), Llama's MLP core:
+
+        y = silu(a) ⊙ b,   silu(a) = a·σ(a)        a = x W₁ᵀ (the gate), b = x W₃ᵀ (the up projection)
+
+    Backward: da = g ⊙ b ⊙ σ(a)(1 + a(1 − σ(a))),  db = g ⊙ silu(a).
+    """
+
+    def forward(self, a, b):
+        self.save_for_backward(a, b)
+        return a * _sigmoid(a) * b  # (…, F)
+
+    def backward(self, g, needs):
+        a, b = self.saved
+        s = _sigmoid(a)
+        da = db = None
+        if needs[0]:
+            slope = 1.0 - s
+            slope *= a
+            slope += 1.0
+            slope *= s  # d silu / da = σ(a)(1 + a(1 − σ(a)))
+            da = g * b * slope
+        if needs[1]:
+            db = g * (a * s)
+        return da, db
+
+
+def _sigmoid(a):
+    """σ(a) = 1/(1 + e^(−a)), computed without overflow for large |a| (as ½(1 + tanh(a/2)))."""
+    s = xp().tanh(a * 0.5)
+    s += 1.0
+    s *= 0.5
+    return s
+
+
+def swiglu(a: Tensor, b: Tensor) -> Tensor:
+    if a.shape != b.shape:
+        raise ValueError(f"swiglu: gate {a.shape} and up projection {b.shape} must have the same shape")
+    return SwiGLUFunction.apply(a, b)
 
 
 # --- softmax family ---------------------------------------------------------------------------

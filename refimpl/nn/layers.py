@@ -1,8 +1,10 @@
-"""Layers: Linear, LayerNorm, Embedding, Dropout, MLP, causal self-attention, a pre-LN Block.
+"""Layers: Linear, LayerNorm, Embedding, Dropout, MLP, causal self-attention, a pre-LN Block; and
+Llama's: RMSNorm, the SwiGLU MLP, grouped-query attention with rotary positions, LlamaBlock.
 
 Initialisation is seeded: each layer draws its weights from a NumPy Generator that the caller
 passes in, in a fixed order, so every process builds identical weights from the same seed.
-Legend: B batch, T sequence length, C model width, H heads, D = C / H head width.
+Legend: B batch, T sequence length, C model width, H heads, D = C / H head width; Llama's layers
+also Hkv key/value heads, G = H / Hkv query heads per key/value head, F the SwiGLU width.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ class LayerNorm(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(Module):
+    """y = x/√(mean(x²) + eps) ⊙ g over the last axis, g initialised to ones (functional.rms_norm)."""
+
+    def __init__(self, d: int, eps: float = 1e-5, dtype="float64") -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(np.ones(d), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight, self.eps)
 
 
 class Embedding(Module):
@@ -209,6 +223,114 @@ class Block(Module):
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         if make_mlp is None:
             self.mlp = MLP([d_model, 4 * d_model, d_model], rng, "gelu", std=0.02, last_std=proj_std, dtype=dtype)
+        else:
+            self.mlp = make_mlp(rng, last_std=proj_std)
+        self.dropout = Dropout(dropout, seed + 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+# --- the Llama block ---------------------------------------------------------------------------
+class SwiGLU(Module):
+    """Llama's MLP (Shazeer 2020): y = W₂(silu(W₁x) ⊙ W₃x), widths C -> F -> C, no biases."""
+
+    def __init__(self, d_model: int, ffn_size: int, rng: np.random.Generator, std: float = 0.02,
+                 last_std: float = 0.02, dtype="float64") -> None:
+        super().__init__()
+        if ffn_size <= 0:
+            raise ValueError(f"the SwiGLU width must be positive, got {ffn_size}")
+        self.w1 = Linear(d_model, ffn_size, rng, bias=False, std=std, dtype=dtype)  # the gate
+        self.w3 = Linear(d_model, ffn_size, rng, bias=False, std=std, dtype=dtype)  # the up projection
+        self.w2 = Linear(ffn_size, d_model, rng, bias=False, std=last_std, dtype=dtype)  # the down projection
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.swiglu(self.w1(x), self.w3(x)))  # (B, T, C) -> (B, T, F) -> (B, T, C)
+
+
+class GroupedQueryAttention(Module):
+    """Causal attention with Hkv key/value heads shared by groups of G = H/Hkv query heads (Ainslie et
+    al. 2023, arXiv 2305.13245; Hkv = 1 is multi-query attention, Hkv = H multi-head), with rotary
+    positions (functional.rotary) on queries and keys, and no biases (Llama):
+
+        q = rope(x W_qᵀ)  (B, H, T, D)      k = rope(x W_kᵀ), v = x W_vᵀ  (B, Hkv, T, D)
+        query head j·G + i attends with key/value head j:
+        y = softmax(q kᵀ/√D + causal mask) v,  then (B, T, H·D) W_oᵀ
+
+    The key/value heads are not copied G times: q is viewed as (B, Hkv, G, T, D) and k, v as
+    (B, Hkv, 1, ·, ·), and the matrix products broadcast over the group axis (their backward sums
+    the group's gradients into the shared head). Positions are global: 0 … T−1 of the sequence.
+    """
+
+    def __init__(self, d_model: int, n_head: int, kv_heads: int, seq_len: int, rng: np.random.Generator,
+                 dropout: float = 0.0, proj_std: float = 0.02, dtype="float64", seed: int = 0,
+                 rope_base: float = 10000.0) -> None:
+        super().__init__()
+        check_llama_shape(d_model, n_head, kv_heads)
+        self.n_head, self.kv_heads, self.rope_base = n_head, kv_heads, rope_base
+        d_head = d_model // n_head
+        self.wq = Linear(d_model, d_model, rng, bias=False, std=0.02, dtype=dtype)
+        self.wk = Linear(d_model, kv_heads * d_head, rng, bias=False, std=0.02, dtype=dtype)
+        self.wv = Linear(d_model, kv_heads * d_head, rng, bias=False, std=0.02, dtype=dtype)
+        self.wo = Linear(d_model, d_model, rng, bias=False, std=proj_std, dtype=dtype)
+        self.attn_dropout = Dropout(dropout, seed)
+        self.resid_dropout = Dropout(dropout, seed + 1)
+        self.mask = backend.asarray(np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1))  # True above the diagonal
+        self.core_runner = None  # as CausalSelfAttention's: selective recomputation may install one
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        H, Hkv = self.n_head, self.kv_heads
+        G, D = H // Hkv, C // H
+        positions = backend.xp().arange(T)  # (T,): global positions of the whole sequence
+        q = self.wq(x).reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+        k = self.wk(x).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
+        v = self.wv(x).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
+        q = F.rotary(q, positions, self.rope_base).reshape(B, Hkv, G, T, D)  # (B, Hkv, G, T, D)
+        k = F.rotary(k, positions, self.rope_base).transpose(0, 1, 3, 2).reshape(B, Hkv, 1, D, T)  # (B, Hkv, 1, D, T)
+        v = v.reshape(B, Hkv, 1, T, D)  # (B, Hkv, 1, T, D)
+        y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
+        y = y.reshape(B, H, T, D).transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C): head j·G + i at j·G + i
+        return self.resid_dropout(self.wo(y))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """softmax(q kᵀ/√D + mask), its dropout, times v -> (B, Hkv, G, T, D)."""
+        T, D = q.shape[-2], q.shape[-1]
+        att = F.causal_softmax(q @ k, self.mask[:T, :T], 1.0 / math.sqrt(D))  # (B, Hkv, G, T, T)
+        return self.attn_dropout(att) @ v  # (B, Hkv, G, T, D)
+
+
+def check_llama_shape(d_model: int, n_head: int, kv_heads: int, ffn_size: int | None = None) -> None:
+    """The Llama block's shape rules, each a one-line ValueError that says how to fix it."""
+    if d_model % n_head:
+        raise ValueError(f"--d-model {d_model} is not divisible by --n-head {n_head}")
+    if kv_heads <= 0 or n_head % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide --n-head {n_head} (each key/value head serves "
+                         f"n_head/kv_heads query heads); use 1 (multi-query), {n_head} (multi-head) or a divisor")
+    if (d_model // n_head) % 2:
+        raise ValueError(f"the head width d_model/n_head = {d_model // n_head} is odd; rotary positions rotate pairs "
+                         f"of dimensions: choose --d-model and --n-head with an even quotient")
+    if ffn_size is not None and ffn_size <= 0:
+        raise ValueError(f"--ffn-size must be positive (the SwiGLU MLP's hidden width), got {ffn_size}")
+
+
+class LlamaBlock(Module):
+    """Llama's pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x)), with RMSNorm, grouped-query
+    attention with rotary positions, and the SwiGLU MLP of width ffn_size (or what make_mlp builds).
+    Residual projections (W_o, W₂) get GPT-2's scaled init 0.02/√(2L)."""
+
+    def __init__(self, d_model: int, n_head: int, kv_heads: int, ffn_size: int, seq_len: int,
+                 rng: np.random.Generator, dropout: float = 0.0, n_layer: int = 1, dtype="float64", seed: int = 0,
+                 rope_base: float = 10000.0, make_mlp=None) -> None:
+        super().__init__()
+        proj_std = 0.02 / math.sqrt(2 * n_layer)
+        self.ln1 = RMSNorm(d_model, dtype=dtype)
+        self.attn = GroupedQueryAttention(d_model, n_head, kv_heads, seq_len, rng, dropout, proj_std, dtype, seed,
+                                          rope_base)
+        self.ln2 = RMSNorm(d_model, dtype=dtype)
+        if make_mlp is None:
+            self.mlp = SwiGLU(d_model, ffn_size, rng, std=0.02, last_std=proj_std, dtype=dtype)
         else:
             self.mlp = make_mlp(rng, last_std=proj_std)
         self.dropout = Dropout(dropout, seed + 2)

@@ -1,10 +1,16 @@
-"""Models: a GPT (decoder-only transformer, as in GPT-2) and an MLP classifier.
+"""Models: a GPT (decoder-only transformer, as in GPT-2, or with Llama's block) and an MLP classifier.
 
 GPT forward, for token ids idx of shape (B, T):
 
     x = wte[idx] + wpe[0:T]                 (B, T, C)   embed()
     x = block_n(... block_1(x))             (B, T, C)   blocks
     logits = ln_f(x) W_headᵀ                (B, T, V)   head()
+
+arch "llama" (Touvron et al. 2023, arXiv 2302.13971) changes the block and the positions, not the
+shape of the model: no wpe (positions enter as rotary embeddings of every block's queries and
+keys), LlamaBlock (RMSNorm, grouped-query attention with kv_heads key/value heads, the SwiGLU MLP
+of width ffn_size) and an RMSNorm for ln_f; nn/layers.py. Embedding, head and the cuts between
+blocks are the same, so data parallelism and ZeRO run it unchanged.
 
 The three parts are separate methods so that pipeline stages and checkpointing can cut the model
 between blocks. With tie_weights the head reuses the token embedding matrix (GPT-2); by default it
@@ -22,8 +28,10 @@ from refimpl.autograd.tensor import Tensor
 
 from . import functional as F
 from .experts import MoE
-from .layers import MLP, Block, Dropout, Embedding, LayerNorm, Linear
+from .layers import MLP, Block, Dropout, Embedding, LayerNorm, Linear, LlamaBlock, RMSNorm, check_llama_shape
 from .module import Module, ModuleList
+
+ARCHITECTURES = ("gpt2", "llama")
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,12 @@ class GPTConfig:
     moe_every: int = 1  # blocks i with i % moe_every == moe_every - 1 get the experts
     capacity_factor: float | None = None  # None: dropless
     aux_coef: float = 0.01
+    # the block: "gpt2" (LayerNorm, learned positions, GeLU MLP of 4C) or "llama" (RMSNorm, rotary
+    # positions with base rope_base, SwiGLU MLP of ffn_size, kv_heads key/value heads)
+    arch: str = "gpt2"
+    kv_heads: int | None = None  # llama: None means n_head (multi-head attention)
+    ffn_size: int | None = None  # llama: None means 4·d_model
+    rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "moe_every"):
@@ -49,7 +63,23 @@ class GPTConfig:
                 raise ValueError(f"GPT {name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model {self.d_model} must be divisible by n_head {self.n_head}")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown --arch {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+        if self.arch == "llama":
+            check_llama_shape(self.d_model, self.n_head, self.n_kv_heads, self.ffn_width)
+        elif self.kv_heads is not None or self.ffn_size is not None:
+            raise ValueError("--kv-heads and --ffn-size shape the Llama block; add --arch llama")
         backend.check_dtype(self.dtype)
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads: kv_heads, or n_head (multi-head attention; GPT-2 always)."""
+        return self.n_head if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width: ffn_size, or 4·d_model."""
+        return 4 * self.d_model if self.ffn_size is None else self.ffn_size
 
     def has_experts(self, block: int) -> bool:
         return self.n_experts > 0 and block % self.moe_every == self.moe_every - 1
@@ -58,17 +88,14 @@ class GPTConfig:
 class GPT(Module):
     def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.seed = config, seed
         rng = np.random.default_rng(seed)
         c, dt = config, config.dtype
         self.wte = Embedding(c.vocab_size, c.d_model, rng, dtype=dt)
-        self.wpe = Embedding(c.seq_len, c.d_model, rng, dtype=dt)
+        self.wpe = Embedding(c.seq_len, c.d_model, rng, dtype=dt) if c.arch == "gpt2" else None  # llama: RoPE
         self.drop = Dropout(c.dropout, seed=seed * 1000 + 1)
-        self.blocks = ModuleList(
-            Block(c.d_model, c.n_head, c.seq_len, rng, c.dropout, c.n_layer, dt, seed=seed * 1000 + 10 * (i + 1),
-                  make_mlp=self._mixture_of_experts if c.has_experts(i) else None)
-            for i in range(c.n_layer))
-        self.ln_f = LayerNorm(c.d_model, dtype=dt)
+        self.blocks = ModuleList(self._block(i, rng) for i in range(c.n_layer))
+        self.ln_f = LayerNorm(c.d_model, dtype=dt) if c.arch == "gpt2" else RMSNorm(c.d_model, dtype=dt)
         if not c.tie_weights:
             self.lm_head = Linear(c.d_model, c.vocab_size, rng, bias=False, std=0.02, dtype=dt)
         # How the blocks run: None, one after the other; or a callable (blocks, x) -> x, which
@@ -77,6 +104,15 @@ class GPT(Module):
         # (index, count): this process embeds shard `index` of `count` of every sequence
         # (sequence parallelism sets it; refimpl/parallel/tensor_parallel/gpt.py)
         self.sequence_shard = (0, 1)
+
+    def _block(self, i: int, rng: np.random.Generator):
+        """Block i, its weights drawn from rng after those of the blocks before it."""
+        c, seed = self.config, self.seed * 1000 + 10 * (i + 1)
+        make_mlp = self._mixture_of_experts if c.has_experts(i) else None
+        if c.arch == "llama":
+            return LlamaBlock(c.d_model, c.n_head, c.n_kv_heads, c.ffn_width, c.seq_len, rng, c.dropout, c.n_layer,
+                              c.dtype, seed=seed, rope_base=c.rope_base, make_mlp=make_mlp)
+        return Block(c.d_model, c.n_head, c.seq_len, rng, c.dropout, c.n_layer, c.dtype, seed=seed, make_mlp=make_mlp)
 
     def _mixture_of_experts(self, rng: np.random.Generator, last_std: float) -> MoE:
         """A block's mixture of experts in place of its dense MLP (Block's make_mlp)."""
@@ -90,6 +126,8 @@ class GPT(Module):
         if T > self.config.seq_len:
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.config.seq_len}")
         index, count = self.sequence_shard
+        if self.wpe is None:  # llama: positions enter as rotary embeddings inside the blocks
+            return self.drop(self.wte(idx))  # (B, T, C)
         positions = backend.xp().arange(index * T // count, (index + 1) * T // count)  # (T,), or this shard's
         return self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C); sequence parallel: (B, T/t, C)
 

@@ -1,4 +1,4 @@
-"""Mixed precision: float16 storage, float32 master weights, dynamic loss scaling.
+"""Mixed precision: float16 storage, float32 master weights, dynamic loss scaling; and bfloat16.
 
 Mixed-precision training as the ZeRO paper assumes it (arXiv 1910.02054, section 3.1, after
 Micikevicius et al., arXiv 1710.03740): parameters and gradients are stored in float16 (P = G = 2
@@ -24,18 +24,39 @@ ranks with a max all-reduce of one flag: every rank skips the same step and keep
 
 Defaults follow PyTorch's GradScaler and DeepSpeed's fp16 section: S starts at 2^16, growth 2,
 backoff 1/2; DeepSpeed's loss_scale_window of 1000 steps is the growth interval.
+
+bfloat16 (--dtype bf16; Kalamkar et al. 2019, arXiv 1905.12322). bfloat16 keeps float32's 8
+exponent bits and 7 of its 23 stored mantissa bits, so it spans float32's range (no underflow of
+small gradients, hence no loss scaling) at a unit roundoff of u = 2⁻⁸ ≈ 3.9e−3 (float16: 2⁻¹¹,
+but 5 exponent bits). NumPy has no bfloat16; ml_dtypes provides the dtype (rounding to nearest
+even). The recipe, as refimpl runs it:
+
+    bfloat16    parameters (P = 2 bytes); each micro-batch's gradient as backward produces it
+                (the engine casts a leaf's gradient to the leaf's dtype)
+    float32     the gradients accumulated over micro-batches and reduced over ranks (G = 4: MPI
+                has no bfloat16 datatype, and Megatron-LM also accumulates bfloat16 gradients in
+                float32); master weights, AdamW's m and v (K = 12); every operation's arithmetic
+                and output, so the activations (autograd/function.py casts bfloat16 inputs)
+    no loss scale: the loss's backward starts from 1
+
+Each step updates the float32 master weights and copies them, rounded, into the bfloat16
+parameters. Without the master weights an update smaller than half a bfloat16 spacing of the
+weight (|Δw| < u·|w|) would be lost: with a small learning rate bfloat16-only weights stop moving.
+One process (local_trainer.py) and data parallelism with ZeRO 0-3 (whose sharded optimizer keeps
+the master weights, parallel/zero/optimizer.py) run it; docs/llama.md has the details.
 """
 
 from __future__ import annotations
 
-PRECISIONS = ("float32", "float64", "mixed")
+PRECISIONS = ("float32", "float64", "mixed", "bf16")
+BFLOAT16_UNIT_ROUNDOFF = 2.0 ** -8  # u: bfloat16 rounds a real x to x(1 + δ), |δ| ≤ u (8-bit significand)
 
 
 def storage_dtype(precision: str) -> str:
-    """The dtype of parameters and gradients for a precision (float16 under mixed)."""
+    """The dtype of parameters and gradients for a precision (float16 under mixed, bfloat16 under bf16)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    return "float16" if precision == "mixed" else precision
+    return {"mixed": "float16", "bf16": "bfloat16"}.get(precision, precision)
 
 
 class LossScaler:

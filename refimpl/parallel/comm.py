@@ -314,13 +314,21 @@ class Comm:
 
     # -- checks -----------------------------------------------------------------------------------
 
-    def _flat(self, array, name: str, writable: bool):
-        """The flat view (L,) of a contiguous numeric array, or one clear ValueError."""
+    def _flat(self, array, name: str, writable: bool, copied: bool = False):
+        """The flat view (L,) of a contiguous numeric array, or one clear ValueError.
+
+        copied: the collective only copies values (all-gather, broadcast, send and receive), so a
+        bfloat16 array (ml_dtypes; MPI has no such datatype) travels as its bits, a uint16 view. A
+        reduction never does: summing the bits would be wrong, so it is refused."""
         if type(array) is not np.ndarray and not isinstance(array, (np.ndarray, backend.xp().ndarray)):
             raise ValueError(f"{name} must be a {backend.xp().__name__} array, not {type(array).__name__}")
         flags = array.flags
         if not flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (MPI sends raw memory); pass ascontiguousarray(...)")
+        if array.dtype.name == "bfloat16":
+            if not copied:
+                raise ValueError(f"{name} is bfloat16, which MPI cannot reduce: reduce its float32 copy")
+            array = array.view("uint16")
         if array.dtype.kind not in "fiu":
             raise ValueError(f"{name} has dtype {array.dtype}; collectives need a float or integer dtype")
         if writable and not getattr(flags, "writeable", True):
@@ -428,13 +436,13 @@ class Comm:
         if recvbuf is None:
             if sendbuf is None:
                 raise ValueError("allgather: give sendbuf, recvbuf or both")
-            send = self._flat(sendbuf, "sendbuf", writable=False)
-            recvbuf = backend.array_module(send).empty(send.size * self.size, dtype=send.dtype)  # equal blocks
-        recv = self._flat(recvbuf, "recvbuf", writable=True)
+            send = self._flat(sendbuf, "sendbuf", writable=False, copied=True)
+            recvbuf = backend.array_module(send).empty(send.size * self.size, dtype=sendbuf.dtype)  # equal blocks
+        recv = self._flat(recvbuf, "recvbuf", writable=True, copied=True)
         count = ring.block_count(recv.size, self.size, self.rank)
         send = None
         if sendbuf is not None:
-            send = self._flat(sendbuf, "sendbuf", writable=False)
+            send = self._flat(sendbuf, "sendbuf", writable=False, copied=True)
             if send.size != count:
                 raise ValueError(f"allgather: sendbuf has {send.size} elements, but rank {self.rank}'s block "
                                  f"of {recv.size} over {self.size} ranks has {count}")
@@ -458,7 +466,7 @@ class Comm:
         return self._bcast(buf, root, blocking=False)
 
     def _bcast(self, buf, root, blocking):
-        flat = self._flat(buf, "buf", writable=True)
+        flat = self._flat(buf, "buf", writable=True, copied=True)
         self._check_rank(root, "root")
         if self.collectives == "ring":
             return self._ring("bcast", ring.bcast, (flat, root), blocking, buf)
@@ -593,7 +601,7 @@ class Comm:
         return recvbuf
 
     def _p2p(self, buf, peer, tag, name, writable):
-        flat = self._flat(buf, "buf", writable)
+        flat = self._flat(buf, "buf", writable, copied=True)
         self._check_rank(peer, name)
         self._check_tag(tag)
         return flat

@@ -66,6 +66,7 @@ from refimpl.nn import functional as F
 from refimpl.nn.batch_rows import batch_rows
 from refimpl.nn.models import GPT
 from refimpl.objective import count_targets, split_batch
+from refimpl.protocols import IMPLEMENTATION_FLAGS
 
 from .data_parallel import DataParallel
 from .experts import ParameterSubset, apply_expert_parallelism, is_expert_parameter
@@ -113,6 +114,8 @@ class Trainer:
     the gradient strategy's). A tool that times or paces the pipeline installs its observer as
     `trainer.executor.observer` (pipeline/executor.py, Observer; refimpl/tools/timeline.py).
     """
+
+    implements = frozenset(IMPLEMENTATION_FLAGS)  # every flag that chooses how a step is computed (protocols.py)
 
     def __init__(self, model, make_optimizer, world, *, pp: int = 1, schedule: str | Schedule | None = None,
                  micro_batches: int | None = None, chunks: int | None = None, grad_accum: int = 1,
@@ -226,7 +229,7 @@ class Trainer:
             uncounted = set(self.tensor_parallel.whole_names(name for name, _ in model.named_parameters()))
 
         def strategy(parts: dict, comm, ledger=None):
-            if zero == 0 and precision != "mixed":
+            if zero == 0 and precision not in ("mixed", "bf16"):  # both need ZeRO's float32 master weights
                 return DataParallel(parts, make_optimizer, comm, dp_mode, bucket_bytes, self.clip, budget,
                                     rank=self.rank, norm_total=norm_total, uncounted=uncounted, ledger=ledger)
             options = dict(precision=precision, clip=self.clip, bucket_bytes=bucket_bytes, budget=budget,

@@ -1,4 +1,4 @@
-"""Mixed precision against its single-process reference: the tolerance, from float16 rounding.
+"""Mixed precision and bfloat16 against their single-process reference: the tolerance, from rounding.
 
 `verify --dtype mixed` (verify.py) compares a distributed mixed-precision run (float16 parameters
 and gradients, float32 master weights, dynamic loss scaling; optim/precision.py,
@@ -7,6 +7,9 @@ each step the reference takes the distributed run's master weights, optimizer st
 scale. This module holds what that comparison needs beyond refimpl/tools/compare.py: the tolerances
 (mixed_tolerance states the formulas), the measured magnitudes of the partial gradients they are
 built on, and the comparison of one step.
+
+`verify --dtype bf16` runs the same lockstep comparison (bfloat16 parameters, float32 master
+weights, no loss scale: optim/precision.py) with bfloat16's unit roundoff in the same formulas.
 """
 
 from __future__ import annotations
@@ -19,10 +22,16 @@ from refimpl.tools.compare import Comparison, compare_arrays, compare_step, comp
 
 FLOAT16_UNIT_ROUNDOFF = 2.0 ** -11  # u: float16 rounds a real x to x(1 + δ), |δ| ≤ u (11-bit significand)
 FLOAT16_SUBNORMAL_HALF_SPACING = 2.0 ** -25  # η: below 2⁻¹⁴ float16 rounds to a multiple of 2⁻²⁴
+BFLOAT16_UNIT_ROUNDOFF = 2.0 ** -8  # u: 8-bit significand (7 stored bits)
+# η for bfloat16: not underflow (bfloat16 has float32's exponent range) but a floor for float32's own
+# noise where the exact gradient is zero (mixed_tolerance's docstring); float16's η, at S = 1.
+BFLOAT16_ABSOLUTE_FLOOR = 2.0 ** -25
+ROUNDING = {"mixed": (FLOAT16_UNIT_ROUNDOFF, FLOAT16_SUBNORMAL_HALF_SPACING),
+            "bf16": (BFLOAT16_UNIT_ROUNDOFF, BFLOAT16_ABSOLUTE_FLOOR)}
 
 
-def mixed_tolerance(world_size: int, grad_accum: int) -> dict:
-    """Mixed precision's tolerances, from float16 rounding of the summed gradients.
+def mixed_tolerance(world_size: int, grad_accum: int, dtype: str = "mixed") -> dict:
+    """Mixed precision's (or bfloat16's) tolerances, from 16-bit rounding of the summed gradients.
 
     A gradient element that reaches the optimizer is the sum of K = N·g partial gradients p_k
     (N ranks, g micro-batches per rank; p_k is the gradient of the k-th B/K rows of the global
@@ -55,10 +64,26 @@ def mixed_tolerance(world_size: int, grad_accum: int) -> dict:
     held to rtol 4K·u. A loss scale that is never divided out makes every gradient S = 2¹⁶ times
     too large, thousands of times δ (with SGD, or AdamW without clipping; clipping to a norm the
     gradient exceeds, then AdamW, gives the same update either way).
+
+    bfloat16 (dtype "bf16"): the same formulas with u = 2⁻⁸ and S = 1 (no loss scale). Each
+    micro-batch's gradient is rounded to bfloat16 once (the engine's cast to the parameter's dtype)
+    and then summed in float32 -- over micro-batches and over ranks, since MPI has no bfloat16 --
+    which is within the float16 analysis's (2K − 1)·u·A_i, so δ_i holds. bfloat16 has float32's
+    exponent range, so nothing underflows; η keeps float16's value 2⁻²⁵ (S = 1) as a floor for what
+    A_i does not bound: where the exact gradient is zero (the key bias's: softmax ignores a constant
+    added to every score), each side's gradient is float32 rounding noise of its own batch split,
+    about 1e-12 here, and A_i, a sum of such noise, can be smaller than the difference. 4K·η is
+    far below the gradients' own rounding (u·|g| ≈ 1e-5 for |g| ≈ 1e-3). The weights are the float32
+    master weights, held to 4·u₃₂·|w| + update_error_bound(δ) as above. Keeping the weights in
+    bfloat16 only (no master weights) rounds every update to within u·|w|, which no such bound
+    allows (tests/test_bf16.py measures how far beyond it).
     """
+    if dtype not in ROUNDING:
+        raise ValueError(f"mixed_tolerance: dtype must be one of {', '.join(ROUNDING)}, got {dtype!r}")
+    u, eta = ROUNDING[dtype]
     k = world_size * grad_accum
-    return {"k": k, "grad_rtol": 4 * k * FLOAT16_UNIT_ROUNDOFF, "weight_rtol": 4 * 2.0 ** -24,
-            "loss_rtol": 4 * k * FLOAT16_UNIT_ROUNDOFF}
+    return {"k": k, "grad_rtol": 4 * k * u, "weight_rtol": 4 * 2.0 ** -24, "loss_rtol": 4 * k * u, "u": u,
+            "eta": eta}
 
 
 def partial_gradient_magnitudes(reference, x, y, pieces: int) -> dict:
@@ -68,7 +93,7 @@ def partial_gradient_magnitudes(reference, x, y, pieces: int) -> dict:
     the same dropout masks (rows keyed by batch) and the same loss scaling; the reference's
     gradients are zeroed afterwards, so its own step is untouched.
     """
-    model, scale = reference.model, reference.scaler.scale
+    model, scale = reference.model, (reference.scaler.scale if reference.scaler is not None else 1.0)
     total = count_targets(y)
     magnitudes = {name: 0.0 for name, _ in model.named_parameters()}
     for k, (xb, yb) in enumerate(split_batch(x, y, pieces, "pieces of the global batch")):
@@ -87,7 +112,7 @@ def compare_mixed_step(step, ours, ref, state_before, optimizer, tol, magnitudes
         return compare_step(step, ours, ref, tol["weight_rtol"], 0.0)
     norm = lambda arrays: float(np.sqrt(sum(float(np.sum(np.square(a))) for a in arrays)))  # noqa: E731
     ratio = norm(magnitudes.values()) / max(norm(ref["grads"].values()), 1e-300) if clipping else 0.0
-    underflow = tol["k"] * 4 * FLOAT16_SUBNORMAL_HALF_SPACING / scale
+    underflow = tol["k"] * 4 * tol.get("eta", FLOAT16_SUBNORMAL_HALF_SPACING) / scale
     delta = {name: tol["grad_rtol"] * (magnitudes[name] + ratio * np.abs(g)) + underflow
              for name, g in ref["grads"].items()}
     grads = compare_arrays(ours["grads"], ref["grads"], 0.0, delta, what="gradient", step=step)

@@ -140,12 +140,20 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (gpt 400, mlp 600)")
     p.add_argument("--batch-size", type=int, help="global batch size, split over ranks and micro-batches")
     p.add_argument("--lr", type=float, help="learning rate (gpt 3e-3, mlp 1e-2)")
-    p.add_argument("--dtype", default="float32", help="float32, float64 or mixed (float16 storage, float32 master "
-                   "weights, loss scaling; on ZeRO's sharded optimizer, --zero 0 included) (default float32)")
+    p.add_argument("--dtype", default="float32", help="float32, float64, mixed (float16 storage, float32 master "
+                   "weights, loss scaling; on ZeRO's sharded optimizer, --zero 0 included) or bf16 (bfloat16 "
+                   "storage from ml_dtypes, float32 master weights, no loss scaling) (default float32)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument("--n-layer", type=int, help="transformer blocks, or MLP hidden layers (default 2)")
     p.add_argument("--d-model", type=int, help="model width (default 64)")
     p.add_argument("--n-head", type=int, help="attention heads (default 4)")
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                   help="the GPT's block: gpt2 (LayerNorm, learned positions, GeLU MLP) or llama (RMSNorm, rotary "
+                        "positions, SwiGLU MLP, grouped-query attention; docs/llama.md) (default gpt2)")
+    p.add_argument("--kv-heads", type=int, metavar="N",
+                   help="--arch llama: key/value heads, a divisor of --n-head (1: multi-query; default --n-head)")
+    p.add_argument("--ffn-size", type=int, metavar="F",
+                   help="--arch llama: the SwiGLU MLP's width (default 4 x d-model)")
     p.add_argument("--seq-len", type=int,
                    help="context length (sorting: 2 x sequence length, default 16; --data: default 64)")
     p.add_argument("--data", metavar="FILE", help="train a character-level GPT on this UTF-8 text file")
@@ -211,7 +219,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     backend.add_argument(p)
     p.add_argument("--checkpoint", default="none", metavar="PLAN",
                    help="activation checkpointing of the GPT's blocks: none, sqrt, every:K, revolve:C, budget:BYTES; "
-                        "selective (attention cores only), selective+PLAN")
+                        "selective (attention cores only), selective+PLAN; auto:memory or auto:speed (checkpoints "
+                        "chosen on the graph of the blocks' operations)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout")
 
 

@@ -31,6 +31,8 @@ from refimpl.memory import memory_by_rank
 from refimpl.nn import GPT, GPTConfig, MLPClassifier
 from refimpl.nn import functional as F
 from refimpl.nn.experts import add_load, describe_load, take_load
+from refimpl.nn.layers import check_llama_shape
+from refimpl.nn.models import ARCHITECTURES
 from refimpl.objective import to_input
 from refimpl.optim import OPTIMIZERS
 from refimpl.parallel.comm import get_world as world_of
@@ -102,6 +104,10 @@ class TrainConfig:
     aux_coef: float = 0.01
     ep: int = 1  # expert-parallel ranks (refimpl/parallel/experts.py), inside the data-parallel group
     overlap: bool = True  # DualPipe's F&B steps interleave F and B at their all-to-alls (pipeline/overlap.py)
+    # the block (refimpl/nn/models.py; docs/llama.md): gpt2, or llama with kv_heads and ffn_size
+    arch: str = "gpt2"
+    kv_heads: int | None = None
+    ffn_size: int | None = None
 
     def check(self) -> None:
         if self.model not in DEFAULTS:
@@ -125,6 +131,7 @@ class TrainConfig:
             raise ValueError(f"--pp and --micro-batches must be positive, got {self.pp} and {self.micro_batches}")
         self.check_tensor_parallel()
         self.check_experts()
+        self.check_arch()
         self.check_own_schedule()
         if self.checkpoint != "none":
 
@@ -138,10 +145,14 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.mem_budget is not None and self.mem_budget <= 0:
             raise ValueError(f"--mem-budget must be positive, got {self.mem_budget}")
-        if self.dtype != "mixed":  # mixed: float16 storage, float32 master weights (optim/precision.py)
+        if self.dtype == "bf16":  # bfloat16 storage, float32 master weights, no loss scale (optim/precision.py)
+            backend.check_dtype("bfloat16")  # ml_dtypes installed, numpy backend: or one line saying how
+            self.check_bf16()
+        elif self.dtype != "mixed":  # mixed: float16 storage, float32 master weights (optim/precision.py)
             backend.check_dtype(self.dtype)
-        if self.dtype == "float16":
-            raise ValueError("--dtype float16 is not a training dtype; use float32, float64 or mixed")
+        if self.dtype in ("float16", "bfloat16"):
+            raise ValueError(f"--dtype {self.dtype} is not a training dtype; use float32, float64, mixed or bf16 "
+                             f"(16-bit storage with float32 master weights)")
 
     def check_own_schedule(self) -> None:
         """--schedule MODULE:FUNCTION: load it, build it for this run, validate it and check that the
@@ -149,6 +160,36 @@ class TrainConfig:
         refimpl/tools/plugin.py)."""
         if is_spec(self.schedule):
             build_executable_schedule(self.schedule, self.pp, self.micro_batches or 2 * self.pp, self.chunks)
+
+    def check_bf16(self) -> None:
+        """--dtype bf16 runs in one process (LocalTrainer) and over data parallelism (ZeRO 0-3, whose
+        sharded optimizer keeps the float32 master weights); the model-parallel layers refuse it."""
+        if self.model != "gpt":
+            raise ValueError("--dtype bf16 is for the GPT; the MLP trains in float32 or float64")
+        for given, flag in [(self.tp > 1, "--tp"), (self.pp > 1 or self.schedule, "--pp"), (self.ep > 1, "--ep")]:
+            if given:
+                raise ValueError(f"--dtype bf16 does not yet run with {flag}; drop {flag} (one process, data "
+                                 f"parallelism and ZeRO 0-3 run it), or use --dtype mixed with {flag}")
+
+    def check_arch(self) -> None:
+        """--arch, --kv-heads and --ffn-size: the Llama block's shape, and the parallel layers that do not
+        run it yet (each refused in one line rather than computing something else)."""
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown --arch {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+        if self.arch != "llama":
+            if self.kv_heads is not None or self.ffn_size is not None:
+                raise ValueError("--kv-heads and --ffn-size shape the Llama block; add --arch llama")
+            return
+        if self.model != "gpt":
+            raise ValueError("--arch llama is a GPT's block; use it with --model gpt")
+        check_llama_shape(self.d_model, self.n_head, self.n_head if self.kv_heads is None else self.kv_heads,
+                          self.ffn_size)
+        not_yet = [(self.tp > 1, "--tp"), (self.pp > 1 or self.schedule is not None, "--pp"),
+                   (self.experts > 0, "--experts"), (self.ep > 1, "--ep")]
+        for given, flag in not_yet:
+            if given:
+                raise ValueError(f"--arch llama does not yet run with {flag}; drop {flag} (data parallelism, ZeRO "
+                                 f"0-3 and activation checkpointing run it), or use --arch gpt2")
 
     def check_experts(self) -> None:
         """--experts, --top-k, --moe-every, --capacity-factor, --aux-coef and --ep: one line each."""
@@ -240,13 +281,14 @@ def build_model(cfg: TrainConfig, task):
     config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
                        d_model=cfg.d_model, dropout=cfg.dropout, dtype=model_dtype(cfg), n_experts=cfg.experts,
                        top_k=cfg.top_k, moe_every=cfg.moe_every, capacity_factor=cfg.capacity_factor,
-                       aux_coef=cfg.aux_coef)
+                       aux_coef=cfg.aux_coef, arch=cfg.arch, kv_heads=cfg.kv_heads, ffn_size=cfg.ffn_size)
     return GPT(config, seed=cfg.seed)
 
 
 def model_dtype(cfg: TrainConfig) -> str:
-    """The parameters' dtype: float16 storage under --dtype mixed (float32 master weights live in ZeRO)."""
-    return "float16" if cfg.dtype == "mixed" else cfg.dtype
+    """The parameters' dtype: float16 storage under --dtype mixed (float32 master weights live in ZeRO),
+    bfloat16 under --dtype bf16 (float32 master weights in LocalTrainer or ZeRO's sharded optimizer)."""
+    return {"mixed": "float16", "bf16": "bfloat16"}.get(cfg.dtype, cfg.dtype)
 
 
 def build_optimizer(cfg: TrainConfig, params):

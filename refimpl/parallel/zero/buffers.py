@@ -37,7 +37,7 @@ def whole_gradient_buffers(groups: list, ledger) -> list:
     view into it, so backward accumulates straight into it."""
     flats = []
     for group in groups:
-        flat = ledger.register("gradients", group.empty(), "whole gradients")  # (L,)
+        flat = ledger.register("gradients", group.empty(group.grad_dtype), "whole gradients")  # (L,)
         for p, view in zip(group.params, group.views(flat)):
             p.grad = view
         flats.append(flat)
@@ -61,7 +61,8 @@ class GradientShards:
 
     def __init__(self, groups: list, ledger, comm) -> None:
         self.groups, self.ledger, self.comm = groups, ledger, comm
-        self.shards = [ledger.register("gradients", group.empty(whole=False), "gradient shard") for group in groups]
+        self.shards = [ledger.register("gradients", group.empty(group.grad_dtype, whole=False), "gradient shard")
+                       for group in groups]
         self.buckets = [None] * len(groups)  # (L,) while being filled and reduced
         self.received = [None] * len(groups)  # (L/N,) reduce-scatter outputs in flight
         self.reductions = Reductions(groups)
@@ -71,7 +72,7 @@ class GradientShards:
         group's bucket and points the group's .grads into it."""
         group = self.reductions.group_of[id(param)]
         if self.buckets[group.index] is None:
-            bucket = self.ledger.register("gradient_buckets", group.empty(), "gradient bucket")  # (L,)
+            bucket = self.ledger.register("gradient_buckets", group.empty(group.grad_dtype), "gradient bucket")  # (L,)
             for p, view in zip(group.params, group.views(bucket)):
                 p.grad = view  # backward now adds (+=) into the bucket
             self.buckets[group.index] = bucket
@@ -83,7 +84,8 @@ class GradientShards:
     def reduce_scatter(self, group) -> None:
         """Start the reduce-scatter of group's bucket into a fresh block (L/N,); finish the one before it."""
         g = group.index
-        self.received[g] = self.ledger.register("gradient_buckets", group.empty(whole=False), "reduce-scatter output")
+        self.received[g] = self.ledger.register("gradient_buckets", group.empty(group.grad_dtype, whole=False),
+                                                "reduce-scatter output")
         self.reductions.start(group, self.comm.ireduce_scatter(self.buckets[g], self.received[g]))
         self.wait(keep=IN_FLIGHT)
 

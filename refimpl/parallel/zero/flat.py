@@ -53,6 +53,9 @@ class FlatGroup:
         self.dtype = self.params[0].dtype
         if any(p.dtype != self.dtype for p in self.params):
             raise ValueError(f"flat group {index}: parameters of different dtypes cannot share a buffer")
+        # Gradients are accumulated and reduced in float32 under bfloat16 storage (MPI has no bfloat16;
+        # optim/precision.py); in the parameters' dtype otherwise.
+        self.grad_dtype = np.dtype("float32") if self.dtype.name == "bfloat16" else self.dtype
         self.shards, self.rank = shards, rank
         self.numel = sum(self.sizes)
         self.length = padded_length(self.numel, shards)  # L

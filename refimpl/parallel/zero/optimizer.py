@@ -4,7 +4,8 @@ For every flat group (flat.py) a rank holds, for its block of L/N elements:
 
     param block   the parameters it updates: a view into the whole flat buffer (DP, ZeRO-1, ZeRO-2)
                   or its own shard array (ZeRO-3)
-    master        float32 copy of the block under mixed precision; the param block itself otherwise
+    master        float32 copy of the block under mixed precision and bfloat16; the param block itself
+                  otherwise
     state         the optimizer's state for the block (AdamW: m and v; SGD: momentum)
 
 and, at step time, the block of the summed gradient (reduce-scatter output, or the persistent
@@ -19,7 +20,8 @@ gradient shard). The step, identical on every rank except for which block it tou
        g ← g · min(1, max_norm / (‖g‖ + 1e-6)), as optim.clip_grad_norm_ on whole gradients
     3. optimizer.update(master, g, state) -- the same AdamW/SGD code as single-process training,
        on a flat block instead of a tensor (optim/adamw.py works on any arrays of equal shape)
-    4. mixed precision: param block ← float16(master)
+    4. mixed precision: param block ← float16(master); bfloat16: ← bfloat16(master), rounded to nearest
+       even (bfloat16 has no loss scale: step 1 is skipped, its gradients arrive in float32)
 
 Afterwards the trainer all-gathers the parameter blocks (ZeRO-1/2) or leaves them sharded
 (ZeRO-3). With one shard (DP) the gradients are whole and identical on every rank, so steps 1 and
@@ -39,9 +41,11 @@ class ShardedOptimizer:
     """Master weights and optimizer state of this rank's block of every group, and the step."""
 
     def __init__(self, optimizer, groups: list, param_blocks: list, ledger, comm, clip: float = 0.0,
-                 scaler=None, sharded: bool = True, norm_total=None, any_rank=None, uncounted=()) -> None:
+                 scaler=None, sharded: bool = True, norm_total=None, any_rank=None, uncounted=(),
+                 masters: bool = False) -> None:
         self.optimizer, self.groups, self.param_blocks = optimizer, groups, param_blocks
         self.ledger, self.clip, self.scaler = ledger, clip, scaler
+        self.keeps_masters = masters or scaler is not None  # float32 master weights (mixed precision, bfloat16)
         self.comm = comm if sharded else None  # one shard: gradients are whole, nothing to combine
         # Beyond the group: the squared norm of the other pipeline stages (added), the overflow flags
         # of their ranks (max). None: this rank's group holds the whole model.
@@ -49,7 +53,7 @@ class ShardedOptimizer:
         self.uncounted = set(uncounted)  # parameters whose norm another rank counts
         self.masters, self.states = [], []
         for group, block in zip(groups, param_blocks):
-            if scaler is not None:  # mixed precision: float32 master weights of the shard
+            if self.keeps_masters:  # mixed precision, bfloat16: float32 master weights of the shard
                 master = ledger.register("master_weights", block.astype("float32"), "float32 master shard")
             else:
                 master = block  # the parameters themselves are the master weights

@@ -87,7 +87,8 @@ class ZeroStage1(ZeroStrategy):
         """Start summing group's bucket over the ranks into this rank's block; wait for the one before it."""
         flat = self.grad_flats[group.index]  # (L,)
         if self.sharded:
-            block = self.ledger.register("gradient_buckets", group.empty(whole=False), "reduce-scatter output")
+            block = self.ledger.register("gradient_buckets", group.empty(group.grad_dtype, whole=False),
+                                         "reduce-scatter output")
             request = self.comm.ireduce_scatter(flat, block)  # block (L/N,): Σ over ranks of block r of flat
         else:  # DP: the whole bucket, summed in place
             block, request = flat, self.comm.iallreduce(flat)
@@ -127,7 +128,7 @@ class ZeroStage1(ZeroStrategy):
     # -- records (strategy.py) --------------------------------------------------------------------------
     def whole_parameters(self) -> dict:
         """{name: NumPy array} (collective); the float32 master weights under mixed precision."""
-        if self.scaler is not None:
+        if self.optimizer.keeps_masters:
             return self.gather_by_name(self.optimizer.masters)
         return self._arrays_by_name(self.param_flats)
 

@@ -103,7 +103,7 @@ class ZeroStage2(ZeroStrategy):
     # -- records (strategy.py) --------------------------------------------------------------------------
     def whole_parameters(self) -> dict:
         """{name: NumPy array} (collective); the float32 master weights under mixed precision."""
-        if self.scaler is not None:
+        if self.optimizer.keeps_masters:
             return self.gather_by_name(self.optimizer.masters)
         return self._arrays_by_name(self.param_flats)
 

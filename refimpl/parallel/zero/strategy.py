@@ -56,7 +56,7 @@ class ZeroStrategy:
             raise ValueError(f"--dtype {precision} stores parameters as {expected}, "
                              f"but {name} is {dict(self.named)[name].dtype}")
         self._optimizer_options = dict(clip=clip, scaler=self.scaler, norm_total=norm_total, any_rank=any_rank,
-                                       uncounted=uncounted)
+                                       uncounted=uncounted, masters=precision in ("mixed", "bf16"))
         self.groups, self.groups_of_stage = [], {}
 
     def _lay_out(self, make_groups) -> None:

@@ -135,7 +135,17 @@ def parameter_tensors(cfg, vocab: int, seq: int) -> list[tuple[int, int]]:
     h, L = cfg.d_model, cfg.n_layer
     if cfg.model == "mlp":
         return [(2 * h, 1), (h, 1), (h * h, L - 1), (h, L - 1), (h * vocab, 1), (vocab, 1)]
-    return [(n, k) for n, k, _ in gpt_parameter_tensors(vocab, seq, h, L, experts=cfg.experts, moe_every=cfg.moe_every)]
+    return [(n, k) for n, k, _ in gpt_parameter_tensors(vocab, seq, h, L, experts=cfg.experts, moe_every=cfg.moe_every,
+                                                         **_arch(cfg))]
+
+
+def _arch(cfg) -> dict:
+    """The block's shape as gpt_parameter_tensors takes it (--arch llama: key/value width, SwiGLU width)."""
+    arch = getattr(cfg, "arch", "gpt2")
+    if arch != "llama":
+        return {}
+    kv = cfg.n_head if cfg.kv_heads is None else cfg.kv_heads
+    return {"arch": arch, "kv_width": kv * cfg.d_model // cfg.n_head, "ffn": cfg.ffn_size or 4 * cfg.d_model}
 
 
 def count(tensors) -> int:
@@ -147,7 +157,8 @@ def _layer_parameters(cfg) -> int:
     """Parameters of the chain's largest layer: a GPT block (with experts, an MoE block) or an MLP hidden layer."""
     if cfg.model != "gpt":
         return cfg.d_model * cfg.d_model + cfg.d_model
-    return sum(gpt_parameters(0, 0, cfg.d_model, 1, experts=cfg.experts, embedding=False, head=False).values())
+    return sum(gpt_parameters(0, 0, cfg.d_model, 1, experts=cfg.experts, embedding=False, head=False,
+                              **_arch(cfg)).values())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,6 +180,7 @@ class Shape:
     loss_scaled: bool = False  # mixed precision: loss · S saves one more scalar
     experts: int = 0  # a mixture of experts in every block (a bound), K per token
     top_k: int = 0
+    block: dict = field(default_factory=dict)  # --arch llama: memory.py's arch, kv_width and ffn
 
 
 def graph_bytes(shape: Shape, b: int, layers: int, embed: bool = True, head: bool = True) -> int:
@@ -180,7 +192,7 @@ def graph_bytes(shape: Shape, b: int, layers: int, embed: bool = True, head: boo
         return e * (saved_elements(b, 0, h, 0, V, layers, model="mlp") + b * (layers * h + V)) + objects
     N = b * s
     block = sum(saved_elements_per_block(b, s, h, a, dropout=shape.dropout, experts=shape.experts,
-                                         top_k=shape.top_k).values())
+                                         top_k=shape.top_k, **shape.block).values())
     elements = layers * (block + N * (5 * h + a * s + 2 * p * h))
     ends = saved_elements_outside_blocks(b, s, h, V, shape.dropout)
     if embed:
@@ -246,7 +258,7 @@ def _task_bytes(task) -> int:
 def _shape(cfg, vocab: int, seq: int) -> Shape:
     e = 8 if cfg.dtype == "float64" else 4  # float16 storage computes in float32
     return Shape(cfg.model, seq, cfg.d_model, max(1, cfg.n_head), vocab, e, cfg.dropout > 0, cfg.dtype == "mixed",
-                 cfg.experts, cfg.top_k)
+                 cfg.experts, cfg.top_k, _arch(cfg))
 
 
 def _batch_bytes(cfg, batch: int, seq: int) -> int:
@@ -293,8 +305,8 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
     shape = _shape(cfg, vocab, seq)
     tensors = [(n, k) for n, k in parameter_tensors(cfg, vocab, seq) if k > 0]
     psi, largest = count(tensors), max(n for n, _ in tensors)
-    mixed = cfg.dtype == "mixed"
-    p, g, k = bytes_per_parameter(cfg.dtype if cfg.dtype in ("mixed", "float64") else "float32", cfg.optimizer)
+    mixed = cfg.dtype in ("mixed", "bf16")  # 16-bit storage, float32 master weights
+    p, g, k = bytes_per_parameter(cfg.dtype if cfg.dtype in ("mixed", "bf16", "float64") else "float32", cfg.optimizer)
     state = 4 if mixed else p  # bytes of an optimizer-state element
     pipeline = cfg.pp > 1 or cfg.schedule is not None
     dp = max(1, world_size // (cfg.pp * cfg.tp))  # the data-parallel group: it splits the batch, ZeRO shards over it

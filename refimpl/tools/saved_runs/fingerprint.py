@@ -52,9 +52,15 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+# Fields that choose the block (docs/llama.md): recorded only when they differ from GPT-2's defaults,
+# so a GPT-2 run's fingerprint is the same whether or not its TrainConfig has these fields.
+RECORDED_WHEN_SET = {"arch": "gpt2", "kv_heads": None, "ffn_size": None}
+
+
 def of(cfg) -> dict:
     """The fingerprint of the run that `cfg` (a TrainConfig) configures."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in MAY_CHANGE}
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in MAY_CHANGE and not (k in RECORDED_WHEN_SET and v == RECORDED_WHEN_SET[k])}
     if fields.get("data") is not None:
         fields["data"] = "sha256:" + file_sha256(cfg.data)
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
