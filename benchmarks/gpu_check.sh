@@ -95,8 +95,10 @@ for name in ("gpu_tests", "verify_dp", "verify_zero3", "bench"):
     status, took = (work / f"{name}.status").read_text().split()
     steps[name] = {"exit": int(status), "seconds": int(took)}
 tests = [line for line in (work / "gpu_tests.out").read_text().splitlines() if line.strip()]
-keys = ("ok", "backend", "trainer", "strategy", "world_size", "steps", "max_abs_diff", "max_rel_diff", "tolerance_used")
-verify = {name: {k: v for k, v in (last_json(name) or {}).items() if k in keys} for name in ("verify_dp", "verify_zero3")}
+keys = ("ok", "backend", "trainer", "world_size", "steps", "max_abs_diff", "max_rel_diff", "tolerance_used")
+verify = {name: {**{k: v for k, v in (last_json(name) or {}).items() if k in keys},
+                 "strategy": ((last_json(name) or {}).get("trainer_report") or {}).get("strategy")}
+          for name in ("verify_dp", "verify_zero3")}  # the strategy: from the trainer's own report
 ok = all(s["exit"] == 0 for s in steps.values())
 print(json.dumps({"ok": ok, "seconds": seconds, "steps": steps, "gpu_tests": tests[-1] if tests else None, **verify,
                   "bench": last_json("bench")}))

@@ -6,12 +6,31 @@ layer of the distributed trainer (parallel/trainer.py): data parallelism or a Ze
 Two classes implement all of it: local_trainer.LocalTrainer (one process, the reference every distributed
 run is compared with; it imports nothing from refimpl.parallel) and parallel.trainer.Trainer
 (every distributed configuration). A trainer of your own (`verify --trainer MODULE:FUNCTION`,
-docs/verify_your_algorithm.md) needs only `Verifiable`'s members.
+docs/verify_your_algorithm.md) needs only `Verifiable`'s members, and `MixedPrecisionVerifiable`'s
+for `verify --dtype mixed`.
+
+IMPLEMENTATION_FLAGS are the flags of `train` and `verify` that choose *how* a step is computed,
+not *what* it computes: a trainer that ignores one of them still computes the same numbers, so
+comparing numbers cannot tell whether it honoured it. A trainer therefore declares the ones it
+implements (`implements`), and verify refuses the others. The other flags (the model, the data,
+the optimizer, clipping, dropout, --dtype float32/float64, --collectives, which is verify's own
+communicator) define the computation itself, and the comparison checks that a trainer honours them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
+
+IMPLEMENTATION_FLAGS = (
+    "--grad-accum", "--dp-mode", "--bucket-bytes",  # data parallelism: micro-batches, DDP's reduction
+    "--zero", "--prefetch", "--param-threshold",  # ZeRO stages
+    "--dtype",  # --dtype mixed or bf16: 16-bit storage, float32 master weights (float32/float64 need nothing)
+    "--checkpoint",  # activation checkpointing (recomputation)
+    "--pp", "--schedule", "--micro-batches", "--chunks", "--no-overlap",  # pipelines
+    "--tp", "--sequence-parallel", "--partition-activations",  # tensor and sequence parallelism
+    "--ep",  # expert parallelism
+    "--mem-budget", "--action-costs", "--trace",  # the memory ledger, the pipeline's pacing and trace
+)
 
 
 @runtime_checkable
@@ -21,16 +40,31 @@ class Verifiable(Protocol):
     world_size: int  # ranks taking part
     rank: int  # this rank, 0..world_size-1
     record_grads: bool  # set by verify: keep the next step's whole gradients in last_grads
-    last_grads: dict  # {name: NumPy array}: the last step's gradients as the optimizer used them (rank 0)
+    last_grads: dict  # {name: NumPy array}: the last step's gradients as the optimizer used
+    # them: the whole model's on rank 0, on other ranks those it holds whole (as full_parameters)
+    implements: frozenset  # the IMPLEMENTATION_FLAGS it honours, e.g. {"--grad-accum"}; verify refuses the others
 
     def step(self, x, y) -> float:
         """One optimizer step on the global batch (every rank passes the same x, y); the batch's loss."""
 
     def full_parameters(self) -> dict:
-        """{name: NumPy array} of the whole model, at least on rank 0 (collective)."""
+        """{name: NumPy array} of the whole model on rank 0 (collective); on every other rank the
+        parameters it holds whole ({} if none): verify compares every rank's with the reference."""
 
     def report(self) -> dict:
-        """Plain facts for --json (local: no communication)."""
+        """Plain facts for --json, nested under "trainer_report" (local: no communication; verify
+        calls it once, at the end). Nothing in it changes verify's verdict."""
+
+
+@runtime_checkable
+class MixedPrecisionVerifiable(Verifiable, Protocol):
+    """What `verify --dtype mixed` (or bf16) also reads: its comparison runs in lockstep (tools/compare_mixed.py)."""
+
+    optimizer_steps: int  # optimizer steps taken: a step that does not advance it was skipped (overflow)
+
+    def full_optimizer_state(self) -> dict:
+        """{"step", "arrays": {state key: {name: array}}, "loss_scaler": LossScaler.state_dict()} on
+        rank 0 (collective): the float32 optimizer state the reference takes before the next step."""
 
 
 @runtime_checkable

@@ -211,8 +211,9 @@ HOST_BY_DESIGN = {
                                             "moved to the arrays' memory where they index them"),
     "parallel/context_parallel/ulysses.py": ({"concatenate"}, "the global order of the tokens: host positions, "
                                              "moved with backend.asarray"),
-    "tools/verification.py": ({"inf", "floating", "integer"},
-                              "an injected overflow; a trainer's loss checked to be a number"),
+    "tools/verification.py": ({"inf", "floating", "integer", "array", "ascontiguousarray"},
+                              "an injected overflow; a trainer's loss checked to be a number; the records "
+                              "(full_parameters, last_grads: NumPy arrays by the protocol) copied and hashed"),
     "tools/compare_mixed.py": ({"abs", "float64", "max", "sqrt", "square", "sum"},
                                "tolerances from host copies of the gradients"),
     "tools/compare.py": ({"abs", "asarray", "divide", "inf", "isfinite", "isinf", "isnan", "max", "maximum", "where"},
@@ -229,7 +230,8 @@ HOST_BY_DESIGN = {
     "tools/saved_runs/sharded.py": ({"array", "load", "prod", "random", "random.Generator", "savez", "zeros"},
                                     "checkpoint files hold host copies; dropout generators live on the host"),
     "tools/timeline.py": ({"array", "zeros"}, "timing figures live on the host"),
-    "tools/distance.py": ({"arange", "asarray", "concatenate", "dot", "float64", "linalg.norm", "ravel", "zeros"},
+    "tools/distance.py": ({"arange", "asarray", "concatenate", "dot", "float64", "linalg.norm", "ravel", "shape",
+                           "zeros"},
                           "distances between host copies of gradients and parameters (full_parameters, last_grads)"),
     "tools/golden.py": ({"array", "asarray", "dtype", "float64", "isfinite", "linalg.norm", "load", "savez", "stack"},
                         "golden cases are host files (.npz) of host copies"),

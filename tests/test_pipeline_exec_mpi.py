@@ -185,7 +185,8 @@ def test_verify_command_with_a_pipeline_schedule():
     result = run_mpi_json(2, ["-m", "refimpl", "verify", "--pp", "2", "--schedule", "1f1b", "--micro-batches", "4",
                               "--n-layer", "2", "--d-model", "16", "--steps", "2", "--json"], timeout=120)
     assert result["ok"] is True and result["trainer"] == "Trainer"
-    assert result["pipeline"]["schedule"] == "1f1b" and result["pipeline"]["pp"] == 2
+    pipeline = result["trainer_report"]["pipeline"]  # the trainer's own report, beside verify's verdict
+    assert pipeline["schedule"] == "1f1b" and pipeline["pp"] == 2
 
 
 def test_train_in_sleep_cost_mode_writes_a_trace_and_reports_measured_beside_simulated(tmp_path):

@@ -6,7 +6,7 @@ Launch: mpiexec -n 2 python docs/examples/flat_allreduce_trainer.py [--average] 
 FlatAllReduceTrainer packs every gradient into one flat buffer and all-reduces it in one call. It
 has the interface every trainer in refimpl has (train.LocalTrainer, parallel.trainer.Trainer;
 protocols.Verifiable): step(x, y) on the global batch, returning the global loss;
-full_parameters(); record_grads and last_grads; world_size, rank and report().
+full_parameters(); record_grads and last_grads; world_size, rank, implements and report().
 
 Two ways to check it. `make_trainer(cfg, model, world)` is what `verify --trainer` calls: verify
 and `verify --sweep N` then check this trainer exactly as they check refimpl's own. main() does by
@@ -35,6 +35,8 @@ from refimpl.tools.run import TrainConfig, build_model, build_optimizer, build_t
 
 class FlatAllReduceTrainer:
     """Data parallelism with a single all-reduce of all gradients, packed into one flat buffer."""
+
+    implements = frozenset()  # none of --grad-accum, --zero, --pp...: verify refuses them (protocols.py)
 
     def __init__(self, model, optimizer, comm, clip: float = 1.0, average: bool = False) -> None:
         self.model, self.optimizer, self.comm, self.clip, self.average = model, optimizer, comm, clip, average

@@ -36,6 +36,8 @@ from refimpl.tools.run import build_optimizer
 class LocalSGDTrainer:
     """Each rank steps its own replica on its rows; the replicas are averaged every `sync_every` steps."""
 
+    implements = frozenset()  # no flag that chooses how a step is computed (refimpl/protocols.py)
+
     def __init__(self, model, optimizer, comm, clip: float = 0.0, sync_every: int = 4) -> None:
         if sync_every < 1:
             raise ValueError(f"local SGD averages every H >= 1 steps, got H = {sync_every}")

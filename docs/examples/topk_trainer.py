@@ -51,6 +51,8 @@ def top_k(vector: np.ndarray, k: int) -> np.ndarray:
 class TopKTrainer:
     """Data parallelism that exchanges each rank's k largest gradient entries, optionally with error feedback."""
 
+    implements = frozenset()  # no flag that chooses how a step is computed (refimpl/protocols.py)
+
     def __init__(self, model, optimizer, comm, clip: float = 0.0, ratio: float = 0.1,
                  error_feedback: bool = False) -> None:
         if not 0 < ratio <= 1:

@@ -38,14 +38,15 @@ class Comparison:
     max_rel_diff: float = 0.0  # |diff| / max(|reference|, atol): large for near-zero elements within atol
     tolerance_used: float = 0.0  # largest |diff| / (atol + rtol |reference|); passes at <= 1; inf if non-finite
     worst_name: str | None = None  # the tensor with the largest tolerance_used
+    worst_what: str | None = None  # what worst_name is: "gradient", "parameter", "master weight" or "loss"
     problems: list = field(default_factory=list)  # one line each: non-finite values, missing names, shapes
 
     def merge(self, other: Comparison) -> Comparison:
         """Both comparisons together (the worse figures, all problems)."""
-        worst = other if other.tolerance_used > self.tolerance_used else self
+        worst = other if other.tolerance_used > self.tolerance_used or self.worst_name is None else self
         return Comparison(self.ok and other.ok, max(self.max_abs_diff, other.max_abs_diff),
                           max(self.max_rel_diff, other.max_rel_diff), worst.tolerance_used, worst.worst_name,
-                          self.problems + other.problems)
+                          worst.worst_what, self.problems + other.problems)
 
 
 def _nonfinite(values: np.ndarray, name: str, side: str, where: str) -> str | None:
@@ -79,7 +80,8 @@ def compare_arrays(ours: dict, reference: dict, rtol: float, atol: float, *, wha
             continue
         bad = [m for m in (_nonfinite(a, name, "distributed", where), _nonfinite(b, name, "reference", where)) if m]
         if bad:
-            result.ok, result.tolerance_used, result.worst_name = False, float("inf"), name
+            result.ok, result.tolerance_used = False, float("inf")
+            result.worst_name, result.worst_what = name, what or None
             result.problems.extend(bad)
             continue
         if not a.size:
@@ -92,7 +94,8 @@ def compare_arrays(ours: dict, reference: dict, rtol: float, atol: float, *, wha
         relative = diff / np.maximum(np.abs(b), max(float(np.max(tol)), 1e-300))
         result.max_rel_diff = max(result.max_rel_diff, float(relative.max()))
         if used > result.tolerance_used or result.worst_name is None:
-            result.tolerance_used, result.worst_name = max(used, result.tolerance_used), name
+            result.tolerance_used = max(used, result.tolerance_used)
+            result.worst_name, result.worst_what = name, what or None
     result.ok = result.ok and result.tolerance_used <= 1.0
     return result
 
@@ -100,7 +103,9 @@ def compare_arrays(ours: dict, reference: dict, rtol: float, atol: float, *, wha
 def compare_values(ours: float, reference: float, rtol: float, atol: float, name: str,
                    step: int | None = None) -> Comparison:
     """Compare two numbers (a step's loss) by the same rule."""
-    return compare_arrays({name: np.float64(ours)}, {name: np.float64(reference)}, rtol, atol, step=step)
+    result = compare_arrays({name: np.float64(ours)}, {name: np.float64(reference)}, rtol, atol, step=step)
+    result.worst_what = name if result.worst_name is not None else None
+    return result
 
 
 def compare_step(step: int, ours: dict, reference: dict, rtol: float, atol: float, grad_tolerance=None) -> Comparison:

@@ -6,7 +6,8 @@
     --schedule my_package.schedules:my_schedule
 
 MODULE is either a path to a .py file (loaded from that file, whatever the working directory's
-packages) or a dotted module name, imported as `python -m` would: from the working directory
+packages; its folder goes first on sys.path, as under `python FILE.py`, so that it can import the
+modules beside it) or a dotted module name, imported as `python -m` would: from the working directory
 first, then PYTHONPATH and the installed packages. Every failure is one ValueError line that names
 the flag and the spec: a malformed spec, a missing file, an import that fails (with its exception),
 a missing or non-callable attribute. A schedule of your own is checked as it is built
@@ -34,6 +35,9 @@ def is_spec(text) -> bool:
 
 def _module_from_file(path: Path, flag: str, spec: str):
     key = (str(path.resolve()), path.stat().st_mtime_ns)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # its sibling modules import, as they would under `python FILE.py`
+        sys.path.insert(0, folder)
     if key not in _FILES:
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         if module_spec is None or module_spec.loader is None:

@@ -10,7 +10,9 @@ revolve), the MLP, and, where the world size allows, every pipeline schedule on 
 with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
 stage, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
 parallelism over 1, 2 or 4 ranks) without tensor parallelism. All in float64 with small models,
-2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py).
+2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py). A trainer of your
+own (`verify --sweep N --trainer ...`) gets only the flags it declares in `implements`
+(protocols.py): the others keep their defaults.
 
 `draw_flags(world_size, choose)` takes the chooser as an argument: `verify --sweep` passes one
 backed by a seeded NumPy generator (the seed is printed; `--sweep-seed` replays a sweep), the
@@ -22,12 +24,20 @@ report, exit status -- is refimpl/tools/commands/verify.py (run_sweep, verify_fl
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from refimpl.parallel.pipeline import SCHEDULES, ScheduleError, build
 from refimpl.tools.plugin import build_executable_schedule
 
 SMALL = ["--d-model", "8", "--n-head", "2", "--seq-len", "8", "--steps", "2", "--dtype", "float64"]
+
+
+@functools.lru_cache(maxsize=8)
+def _builtin_schedule_options(world_size: int) -> tuple:
+    """schedule_options of every built-in schedule (they build the same every time: computed once)."""
+    return tuple(schedule_options(world_size, list(SCHEDULES)))
 
 
 def schedule_options(world_size: int, names=None) -> list:
@@ -40,9 +50,11 @@ def schedule_options(world_size: int, names=None) -> list:
     that builds for no (pp, micro-batches).
     """
 
+    if names is None:
+        return list(_builtin_schedule_options(world_size))
     options = []
     for pp in [d for d in range(1, world_size + 1) if world_size % d == 0]:
-        for name in names or SCHEDULES:
+        for name in names:
             valid, refused = [], None
             for m in range(1, 2 * max(pp, 2) + 3):
                 try:
@@ -62,69 +74,87 @@ def schedule_options(world_size: int, names=None) -> list:
     return options
 
 
-def draw_flags(world_size: int, choose, pipeline: bool = True, schedules=None) -> list:
+def draw_flags(world_size: int, choose, schedules=None, implements=None) -> list:
     """One configuration for `world_size` ranks, as verify flags; choose(name, options) picks one option.
 
-    pipeline=False draws only configurations that use the whole world as one data-parallel group
-    (verify --sweep --trainer: a trainer of your own gets those). `schedules` (a list of names,
-    MODULE:FUNCTION included: verify --sweep --schedule) draws only pipeline configurations, of those
-    schedules.
+    `implements`: the flags that choose how a step is computed (protocols.IMPLEMENTATION_FLAGS) that
+    the trainer declares (verify --sweep --trainer); a flag it does not declare keeps its default,
+    so a trainer of your own is verified only in what it implements. None: all of them (refimpl's
+    own trainer). The flags that define the computation (model, optimizer, clipping, dropout, seed,
+    collectives) are drawn for every trainer. `schedules` (a list of names, MODULE:FUNCTION
+    included: verify --sweep --schedule) draws only pipeline configurations, of those schedules.
     """
+    has = (lambda flag: True) if implements is None else (lambda flag: flag in implements)  # noqa: E731
     model = choose("model", ["gpt", "mlp"])
     flags = ["--model", model, *SMALL,
              "--optimizer", choose("optimizer", ["adamw", "sgd"]),
              "--clip", choose("clip", [0.0, 0.05, 1.0]),
              "--collectives", choose("collectives", ["mpi", "ring"])]
-    if schedules or (pipeline and choose("pipeline", [False, True])):
-        name, pp, micro_batches, stages = choose("schedule", schedule_options(world_size, schedules))
+    can_pipeline = has("--pp") and has("--schedule") and has("--micro-batches")
+    if schedules or (can_pipeline and choose("pipeline", [False, True])):
+        options = [o for o in schedule_options(world_size, schedules) if o[0] != "interleaved" or has("--chunks")]
+        name, pp, micro_batches, stages = choose("schedule", options)
         m = choose("micro_batches", micro_batches)
         layers_per_stage = choose("layers_per_stage", [1, 2])
         n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer
-        tp = _draw_tensor_parallel(flags, world_size // pp, choose) if model == "gpt" else 1
-        if model == "gpt" and tp == 1:
+        tp = _draw_tensor_parallel(flags, world_size // pp, choose, has) if model == "gpt" and has("--tp") else 1
+        if model == "gpt" and tp == 1 and has("--ep"):
             _draw_experts(flags, world_size // pp, choose)
         dp = world_size // (pp * tp)
-        zero = choose("zero", [0, 1, 2, 3])
+        zero = choose("zero", [0, 1, 2, 3]) if has("--zero") else 0
         flags += ["--schedule", name, "--pp", pp, "--micro-batches", m, "--n-layer", max(n_layer, 1),
-                  "--batch-size", dp * m * choose("examples_per_micro_batch", [1, 2]),
-                  "--zero", zero, "--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
-        if zero == 3:  # prefetch follows one micro-batch's module order: not with a pipeline
+                  "--batch-size", dp * m * choose("examples_per_micro_batch", [1, 2])]
+        if has("--zero"):
+            flags += ["--zero", zero]
+        if has("--bucket-bytes"):
+            flags += ["--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
+        if zero == 3 and has("--param-threshold"):  # no prefetch: it follows one micro-batch's module order
             flags += ["--param-threshold", choose("param_threshold", [0, 17])]
         if name == "interleaved":
             flags += ["--chunks", stages // pp]
-        if model == "gpt" and layers_per_stage > 1:  # recomputation inside a stage
-            flags += ["--checkpoint", choose("stage_checkpoint", ["none", "every:1", "sqrt"])]
+        if model == "gpt" and layers_per_stage > 1 and has("--checkpoint"):  # recomputation inside a stage
+            stage_plans = ["none", "every:1", "sqrt", "auto:memory", "auto:speed"]
+            flags += ["--checkpoint", choose("stage_checkpoint", stage_plans)]
     else:
-        if model == "gpt" and pipeline and _draw_tensor_parallel(flags, world_size, choose) == 1:
+        if model == "gpt" and has("--tp") and _draw_tensor_parallel(flags, world_size, choose, has) == 1 \
+                and has("--ep"):
             _draw_experts(flags, world_size, choose)
-        zero = choose("zero", [0, 1, 2, 3])
-        accum = choose("grad_accum", [1, 2, 3])
-        flags += ["--zero", zero, "--grad-accum", accum,
-                  "--batch-size", world_size * accum * choose("examples_per_micro_batch", [1, 2]),
-                  "--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
-        if zero == 0:
+        zero = choose("zero", [0, 1, 2, 3]) if has("--zero") else 0
+        accum = choose("grad_accum", [1, 2, 3]) if has("--grad-accum") else 1
+        flags += ["--batch-size", world_size * accum * choose("examples_per_micro_batch", [1, 2])]
+        if has("--zero"):
+            flags += ["--zero", zero]
+        if has("--grad-accum"):
+            flags += ["--grad-accum", accum]
+        if has("--bucket-bytes"):
+            flags += ["--bucket-bytes", choose("bucket_bytes", [64, 1000, 1 << 20])]
+        if zero == 0 and has("--dp-mode"):
             flags += ["--dp-mode", choose("dp_mode", ["bucketed", "naive"])]
         if zero == 3:
-            flags += ["--prefetch", choose("prefetch", ["0", "500", "1MB"]),
-                      "--param-threshold", choose("param_threshold", [0, 17])]
-        plans = ["none", "sqrt", "every:2", "revolve:1", "revolve:2"]
-        checkpoint = choose("checkpoint", plans) if model == "gpt" else "none"
+            if has("--prefetch"):
+                flags += ["--prefetch", choose("prefetch", ["0", "500", "1MB"])]
+            if has("--param-threshold"):
+                flags += ["--param-threshold", choose("param_threshold", [0, 17])]
+        plans = ["none", "sqrt", "every:2", "revolve:1", "revolve:2", "auto:memory", "auto:speed"]
+        checkpoint = choose("checkpoint", plans) if model == "gpt" and has("--checkpoint") else "none"
         n_layer = choose("n_layer_checkpointed", [4, 5]) if checkpoint != "none" else choose("n_layer", [1, 2, 3])
-        flags += ["--n-layer", n_layer, "--checkpoint", checkpoint]
+        flags += ["--n-layer", n_layer]
+        if has("--checkpoint"):
+            flags += ["--checkpoint", checkpoint]
     if model == "gpt":
         flags += ["--dropout", choose("dropout", [0.0, 0.1]), "--seed", choose("seed", [0, 1, 2])]
     return [str(f) for f in flags]
 
 
-def _draw_tensor_parallel(flags: list, ranks: int, choose) -> int:
+def _draw_tensor_parallel(flags: list, ranks: int, choose, has=lambda flag: True) -> int:
     """Draw --tp among the divisors of `ranks` up to 4 (tp 1 as likely as all others together) and,
-    with tp > 1, --sequence-parallel; adds the flags (tp 4 needs 4 heads) and returns tp."""
+    with tp > 1, --sequence-parallel (where `has` it); adds the flags (tp 4 needs 4 heads) and returns tp."""
     sizes = [t for t in (2, 4) if ranks % t == 0]
     tp = choose("tp", [1] * max(1, len(sizes)) + sizes)
     if tp > 1:
         flags[flags.index("--n-head") + 1] = str(max(2, tp))  # tp 4 needs 4 heads; seq-len 8 divides by each tp
         flags += ["--tp", tp]
-        if choose("sequence_parallel", [False, True]):
+        if has("--sequence-parallel") and choose("sequence_parallel", [False, True]):
             flags.append("--sequence-parallel")
     return tp
 

@@ -6,7 +6,7 @@ CONFIGS.json holds a list of flag lists (`["--zero", "3", "--clip", "0", ...]`),
 `python -m refimpl verify` command line. Each is verified with refimpl.tools.commands.verify.verify_flags, the
 code `verify` and `verify --sweep` run (one comparison, refimpl/tools/compare.py). Rank 0 prints one JSON
 list on the last stdout line: {"flags", "ok", "tolerance_used", "problems", "skipped_steps",
-"reference_skipped_steps", "trainer"} per configuration, in order.
+"reference_skipped_steps", "trainer", "strategy" (from the trainer's report)} per configuration, in order.
 """
 
 import json
@@ -28,7 +28,8 @@ def main() -> None:
     for flags in configs:
         r = verify_flags(world, flags)
         results.append({"flags": flags, "ok": r["ok"], "tolerance_used": r.get("tolerance_used"),
-                        "problems": r.get("problems"), "trainer": r.get("trainer"), "strategy": r.get("strategy"),
+                        "problems": r.get("problems"), "trainer": r.get("trainer"),
+                        "strategy": r.get("trainer_report", {}).get("strategy"),
                         "skipped_steps": r.get("skipped_steps", 0),
                         "reference_skipped_steps": r.get("reference_skipped_steps", 0)})
     if world.rank == 0:

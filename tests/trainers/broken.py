@@ -28,7 +28,7 @@ def nan_on_step_1(cfg, model, world):
 
 
 class NoStep:
-    world_size, rank, record_grads, last_grads = 1, 0, False, {}
+    world_size, rank, record_grads, last_grads, implements = 1, 0, False, {}, frozenset()
 
     def full_parameters(self):
         return {}
