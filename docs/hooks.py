@@ -299,3 +299,21 @@ def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri.startswith("source/"):
         return markdown  # a repository file shown as it is
     return _rewrite(markdown, page.file.src_uri, config.get("repo_url"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Slides
+# ------------------------------------------------------------------------------------------------
+
+
+def on_post_build(config):
+    """Each tutorial's reveal.js slides, site/slides/NN_name.slides.html (tutorials/slides.py: nbconvert
+    from the jupytext notebook, slide tags in the cells' metadata); skipped, as the tutorials' output
+    is, with REFIMPL_DOCS_TUTORIAL_OUTPUT=0. A failure is a warning: `mkdocs build --strict` fails."""
+    if os.environ.get(OUTPUT_ENV) == "0":
+        return
+    out = Path(config["site_dir"]) / "slides"
+    done = subprocess.run([sys.executable, str(TUTORIALS / "slides.py"), str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        log.warning("slides were not built: %s", lines[-1] if lines else f"exit status {done.returncode}")

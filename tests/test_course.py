@@ -22,9 +22,30 @@ def test_study_time_follows_the_stated_rule():
     path = REPO / "tutorials" / "12_planning_a_run.py"
     m = SYLLABUS["measure"](path)
     assert m["exercises"] == 5 and m["questions"] == 1 and m["words"] > 1000
-    t = SYLLABUS["minutes"]("12", m)
-    assert t["exercises"] == 5 * SYLLABUS["EXERCISE_MINUTES"] + SYLLABUS["QUESTION_MINUTES"]
+    t = SYLLABUS["minutes"]("12", m, path)
+    assert t["exercises"] == sum(t["each"]) + SYLLABUS["QUESTION_MINUTES"]
     assert t["total"] == t["reading"] + t["run"] + t["exercises"]
+
+
+def test_a_one_liner_and_a_modelling_task_get_different_study_times():
+    sizes = SYLLABUS["solution_statements"]("12_planning_a_run")
+    assert sizes["mfu"] < sizes["compute_seconds"]  # one line of arithmetic against modelling a step
+    functions = SYLLABUS["exercise_functions"](REPO / "tutorials" / "12_planning_a_run.py")
+    each = dict(zip(functions, SYLLABUS["exercise_minutes"]("12_planning_a_run", functions)))
+    assert each["mfu"] == 5 * -(-(SYLLABUS["EXERCISE_BASE_MINUTES"] + 2 * sizes["mfu"]) // 5) < each["compute_seconds"]
+    # a closed form to derive (course.toml: derivation = true) counts more than its short code
+    zb = SYLLABUS["exercise_minutes"]("08_zero_bubble", ["zb1p_idle"])[0]
+    assert zb == 5 * -(-(SYLLABUS["EXERCISE_BASE_MINUTES"] + 2 * 1 + SYLLABUS["DERIVATION_MINUTES"]) // 5)
+
+
+def test_the_counts_are_computed_not_typed():
+    text = SYLLABUS["counts"]()
+    n = len(SYLLABUS["tutorials"]())
+    exercises = sum(len(SYLLABUS["exercise_functions"](p)) for p in SYLLABUS["tutorials"]())
+    assert text.startswith(f"{n} tutorials, {exercises} exercises (")
+    for page in ("docs/course.md", "tutorials/README.md"):
+        body = (REPO / page).read_text()
+        assert f"{exercises - 2}/" not in body and " 38 " not in body and "38/38" not in body, page
 
 
 def test_the_model_answers_come_from_the_solutions():

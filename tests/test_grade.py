@@ -34,8 +34,8 @@ def by_exercise(report: dict) -> dict:
 
 
 def test_every_tutorial_has_exercises_and_their_solutions_pass():
-    # How long it takes is the grader's --json "seconds" (about 3 s for 49 exercises on 2 cores);
-    # no test asserts a time: tests never depend on the machine's speed.
+    # How long it takes is the grader's --json "seconds" (about 6 s on an idle 2-core machine: a student's
+    # process per tutorial); no test asserts a time: tests never depend on the machine's speed.
     assert N_EXERCISES >= 38 and all(grade.all_exercises().values())
     done = run(*SOLUTIONS, "--json")
     report = json.loads(done.stdout)
@@ -50,8 +50,9 @@ def test_the_tutorials_themselves_are_not_done_and_the_table_says_so():
     assert f"score: 0/{N_EXERCISES}" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line[:2].isdigit()]
     assert len(rows) == N_EXERCISES and all("  not done  " in row for row in rows)
-    assert "01_autograd             1  sigmoid_backward     not done  sigmoid_backward is still the tutorial's stub" \
-        in done.stdout
+    first = next(row for row in rows if row.startswith("01_autograd"))
+    assert first.split()[:6] == ["01_autograd", "1", "sigmoid_backward", "not", "done", "sigmoid_backward"]
+    assert first.endswith("sigmoid_backward is still the tutorial's stub")
 
 
 def _filled(tutorial: str, function: str, body: str, prefix: str = "") -> str:
@@ -108,8 +109,7 @@ def test_a_folder_of_two_submissions_gives_two_lines(tmp_path):
     report = json.loads(run(tmp_path, "--json").stdout)
     assert [s["student"] for s in report["students"]] == ["alice", "bob"] and not report["all_pass"]
     assert "bubble fraction" in by_exercise(report["students"][1])[("07_pipeline_schedules", 3)]["message"]
-    shutil.rmtree(tmp_path / "bob")
-    assert run(tmp_path).returncode == 0  # alice alone: everything passes
+    assert report["students"][0]["all_pass"]  # alice: everything passes
 
 
 @pytest.mark.parametrize("content, says", [
@@ -132,18 +132,3 @@ def test_a_file_that_does_not_parse_fails_its_exercises(tmp_path):
     grades = grade.grade_files([path], timeout=30)
     assert len(grades) == len(grade.all_exercises()["01_autograd"])
     assert all(g.result == "fail" and "does not parse" in g.message for g in grades)
-
-
-def test_the_capstone_is_graded_valid_on_target_and_equal_to_one_process():
-    example = "docs/examples/my_schedule.py:early_backward"  # docs/capstone.md's worked example
-    grades = grade.grade_capstone(example, pp=4, micro_batches=8, bubble_below=None)
-    assert [g.result for g in grades] == ["pass", "pass", "pass"], grades
-    assert "0.2500 < 1F1B's 0.2727" in grades[1].message and "verify PASS" in grades[2].message
-    # 1F1B itself does not beat 1F1B; an explicit target can be missed too
-    same = grade.grade_capstone("refimpl.parallel.pipeline.schedules.one_f_one_b:one_f_one_b", 4, 8, None,
-                                run_verify=False)
-    assert [g.result for g in same] == ["pass", "fail", "not done"]
-    assert grade.grade_capstone(example, 4, 8, 0.2, run_verify=False)[1].result == "fail"
-    missing = grade.grade_capstone("docs/examples/no_such_file.py:f", 4, 8, None)
-    assert [g.result for g in missing] == ["fail", "not done", "not done"] and "no file" in missing[0].message
-    assert run("--capstone", example, "--no-verify").returncode == 1  # not everything passed

@@ -22,7 +22,7 @@ import numpy as np
 
 np.set_printoptions(precision=4, suppress=True)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. An engine in forty lines
 #
 # Reverse mode rests on the chain rule read backwards. If the loss L depends on x only through
@@ -86,7 +86,7 @@ def backward(loss):
     push(loss, np.ones_like(loss.data))
 
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # A two-layer network's loss, L = Σ h·h with h = tanh(x W₁) W₂, uses `h` twice, so its gradient
 # arrives along two paths and must be summed.
 
@@ -106,7 +106,7 @@ backward(loss)
 print("loss", loss.data)
 print("dL/dW2 =\n", w2.grad)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Is it right? Central finite differences, (L(w + ε) − L(w − ε)) / 2ε, approximate each
 # derivative with an error of order ε²: slow (two forward passes per weight) but independent of
 # the engine.
@@ -129,7 +129,7 @@ numeric = finite_differences(lambda: tiny_loss(Var(x_data), Var(w1_data), Var(w2
 print("largest |engine - finite differences| for W1:", np.abs(w1.grad - numeric).max())
 assert np.allclose(w1.grad, numeric, rtol=1e-6, atol=1e-7)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The price of going path by path. Each `add(a, a)` below doubles the number of paths from the
 # loss to `x`, so for a chain of k of them this `backward` runs the additions' gradient functions
 # 1 + 2 + … + 2^(k−1) = 2^k − 1 times, where the forward ran each addition once:
@@ -153,7 +153,7 @@ for k in (4, 8, 12):
     backward(total(v))
     print(f"k = {k:2d}: {k} additions, their gradient functions ran {calls['n']} times; dL/dx = {xk.grad[0]:.0f}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 2. refimpl's engine
 #
 # refimpl's engine (`refimpl/autograd/`, explained in `docs/autograd.md`) is the same idea with
@@ -183,7 +183,7 @@ print("after backward:", saved_tensors.live_bytes, "bytes (released as each node
 print("same gradient as our engine:", np.allclose(W1.grad, w1.grad, rtol=1e-12, atol=1e-14))
 assert np.allclose(W1.grad, w1.grad, rtol=1e-12, atol=1e-14)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The ledger counted the arrays that the operations saved for their backward: `X` (4×3 float64, 96
 # bytes; the first matmul needs it for dW₁), the tanh's output (4×5, 160 bytes; tanh's backward and
 # the second matmul both use it, and it is counted once) and `h` (4×2, 64 bytes, for the square).
@@ -211,7 +211,7 @@ class Cube(Function):
 
 print("Cube passes gradcheck:", gradcheck(lambda t: Cube.apply(t), [Tensor(x_data, requires_grad=True)]))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 3. Backward in two halves: I and W
 #
 # For a linear layer y = x Wᵀ, backward computes two products: dx = g W, which the layer below
@@ -242,7 +242,7 @@ print("I then W equals B bit for bit:",
       all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b), (w2_i, w2_b)]))
 assert all(np.array_equal(a.grad, b.grad) for a, b in [(x_i, x_b), (w1_i, w1_b), (w2_i, w2_b)])
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # **Question (measure and explain).** Exercise 1's sigmoid could also be composed from refimpl's
 # operations, `1 / (1 + (-t).exp())`. For `t` of shape (100, 10), float64, read
 # `saved_tensors.live_bytes` after the forward of the composed sigmoid and after the forward of a
@@ -308,6 +308,12 @@ def backward_once(loss):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_sigmoid_backward, sigmoid_backward)
 ex.check(2, check_linear_backward, linear_backward)
 ex.check(3, check_topological_order, topological_order)

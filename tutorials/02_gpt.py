@@ -24,7 +24,7 @@ from refimpl.nn import functional as F
 
 np.set_printoptions(linewidth=120)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. The task
 #
 # The model reads six digits, a separator (token 10) and the same digits sorted, and is trained to
@@ -40,7 +40,7 @@ print("vocabulary", task.vocab_size, "| sequence length", task.seq_len)
 print("inputs x:\n", x)
 print("targets y (-100 = not scored):\n", y)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 2. The model
 #
 # ```
@@ -58,7 +58,7 @@ for name, p in model.named_parameters():
     print(f"{name:28s} {str(p.shape):12s} {p.size:6d}")
 print("total", model.num_parameters(), "parameters")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # A forward pass, part by part (the model exposes `embed`, `blocks` and `head` separately so that
 # pipeline stages and checkpointing can cut it between blocks):
 
@@ -73,14 +73,14 @@ with no_grad():
     print("logits ", logits.shape)
     assert np.array_equal(logits.data, model(x).data)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # **Causal attention.** In each head, position t mixes the values of positions 0..t with weights
 # softmax(q_t · k_s / √D). The mask below is `True` where attention is forbidden (the future):
 
 # %%
 print(model.blocks[0].attn.mask[:6, :6].astype(int))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # So changing a token can only change the logits at its own position and later ones. Check it:
 # change the token at position 8 and compare.
 
@@ -93,7 +93,7 @@ changed = np.abs(after - before).max(axis=(0, 2)) > 0  # per position
 print("positions whose logits changed:", np.flatnonzero(changed))
 assert not changed[:8].any() and changed[8:].all()
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # **The loss.** Cross-entropy, averaged over the scored targets. At initialisation the weights
 # are small, the predicted distribution is close to uniform and the loss close to ln V:
 
@@ -102,7 +102,7 @@ with no_grad():
     initial = F.cross_entropy(model(x), y).item()
 print(f"initial loss {initial:.3f}; ln V = ln {task.vocab_size} = {np.log(task.vocab_size):.3f}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 3. Training
 #
 # `LocalTrainer` (in `refimpl/tools/run.py`) is the single-process training step: forward and
@@ -126,7 +126,7 @@ print(f"{time.perf_counter() - start:.1f} s; held-out loss {eval_loss:.3f}, accu
       "(the share of sorted positions predicted right, given the true prefix)")
 assert accuracy > 0.8
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Using it: give the model six digits and the separator, and let it write one token at a time,
 # each time taking its most likely next token (greedy decoding).
 
@@ -144,7 +144,7 @@ model.eval()
 for digits in ([3, 1, 4, 1, 5, 9], [9, 8, 7, 2, 2, 0]):
     print(digits, "->", sort_with_model(model, digits), "| expected", sorted(digits))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. Memory of saved activations
 #
 # Training memory has two parts: model state (parameters, gradients, optimizer state; tutorial 05
@@ -165,7 +165,7 @@ for batch in (8, 16):
 print({b: f"{v:,} bytes" for b, v in peaks.items()}, "ratio", peaks[16] / peaks[8])
 assert peaks[16] == 2 * peaks[8]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # **Question (measure and explain).** Doubling the batch doubles the saved activations. Does
 # doubling the sequence length? Build part 2's model (2 blocks, 4 heads, `d_model` 32, float32)
 # with `seq_len` 8, 16, 32, 64 and 128, measure the ledger's peak over the forward at batch 4, and
@@ -224,6 +224,12 @@ def cross_entropy_grad(logits, targets, ignore_index=-100):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_attention, attention)
 ex.check(2, check_count_parameters, count_parameters)
 ex.check(3, check_cross_entropy, cross_entropy)

@@ -19,7 +19,7 @@ from harness.collectives import run_ring
 
 from refimpl.parallel import ring
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. Why a ring
 #
 # The obvious all-reduce sends everything to rank 0, which adds and sends the result back: rank 0
@@ -32,7 +32,7 @@ from refimpl.parallel import ring
 counts = ring.block_counts(10, 4)
 print("L = 10 over N = 4 ranks: block sizes", counts, "offsets", ring.block_offsets(counts))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # **Reduce-scatter**, N − 1 steps: in step s rank r sends its running sum of block (r − s − 1) to
 # the right, receives the left neighbour's running sum of block (r − s − 2) and adds its own
 # contribution. Each block travels once around the ring, collecting one contribution per rank, and
@@ -60,7 +60,7 @@ for r, buf in enumerate(buffers):
     print(f"rank {r} ends with {buf}, sent {sent[r]} bytes")
 assert all(np.array_equal(b, [111, 222, 333]) for b in buffers)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # In step 2 each rank receives a block that already carries two contributions and adds the third:
 # after the reduce-scatter rank r holds the finished block r (rank 0: 111, rank 1: 222, rank 2:
 # 333). The all-gather then circulates the finished blocks.
@@ -83,7 +83,7 @@ for N in (2, 3, 4, 6):
     assert measured == [ring.bytes_sent("allreduce", L, N, r, itemsize) for r in range(N)] == [formula] * N
     print(f"{N:2d}   {measured[0]:31d}   {formula:20d}   {(N - 1) * L * itemsize:29d}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. On real processes
 #
 # refimpl's communicator (`refimpl/parallel/comm.py`) runs the same generators under MPI, with
@@ -120,7 +120,7 @@ for row in last_json(done):
           f"sent {row['bytes']} bytes (formula {formula})")
     assert row["sum_ok"] and row["bytes"] == formula
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The ranks send 112, 120, 128 and 120 bytes: (2L − count_r − count_{r+1}) · 8, since rank r does
 # not send its own block in the reduce-scatter nor block r + 1 in the all-gather. Summed over ranks
 # it is 2(N − 1)·L elements, whatever L is. In floating point the ring's sums may differ from MPI's
@@ -199,6 +199,12 @@ def bottleneck_bytes(length, size, itemsize):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_ring_allgather, ring_allgather)
 ex.check(2, check_ring_reduce_scatter, ring_reduce_scatter)
 ex.check(3, check_allreduce_bytes, allreduce_bytes)

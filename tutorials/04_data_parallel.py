@@ -24,7 +24,7 @@ from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. The loss that makes gradients add up
 #
 # The training loss is the mean over the **counted targets of the global batch**,
@@ -73,7 +73,7 @@ print(f"sum of ranks' gradients (global count) vs one process: {largest_differen
 print(f"average of ranks' means                vs one process: {largest_difference(averaged, reference):.1e}")
 assert largest_difference(summed, reference) < 1e-12 < 1e-6 < largest_difference(averaged, reference)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The first difference is rounding (float64 has about 16 digits; sums in a different order differ
 # in the last one); the second is a wrong gradient.
 #
@@ -95,10 +95,11 @@ assert largest_difference(summed, reference) < 1e-12 < 1e-6 < largest_difference
 # %%
 FLAGS = ["--model", "gpt", "--batch-size", "12", "--n-layer", "1", "--d-model", "16", "--seq-len", "8", "--steps", "2"]
 result = last_json(run_mpi(2, "-m", "refimpl", "verify", *FLAGS, "--json"))
-print("verify ok:", result["ok"], "| largest |diff|:", result["max_abs_diff"], "| buckets:", result["buckets"])
+print("verify ok:", result["ok"], "| largest |diff|:", result["max_abs_diff"],
+      "| buckets:", result["trainer_report"]["buckets"])
 assert result["ok"]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Reading verify's report. The JSON line shows `"max_rel_diff"` near 6e-04 beside `"rtol":1e-10`,
 # and the verdict is still PASS: max_rel_diff is |diff| / max(|reference|, atol) of the worst
 # element, and here that element is a gradient that is zero up to rounding (the key bias of
@@ -123,7 +124,7 @@ for rank, counters in enumerate(result["bytes_sent"]):
           f"(formula {expected} for Ψ = {psi})")
     assert counters["allreduce"]["bytes"] == expected
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. Buckets: overlapping the all-reduce with backward
 #
 # The naive version (`--dp-mode naive`) waits for the whole backward and then all-reduces each
@@ -141,10 +142,10 @@ for mode, extra in [("naive", []), ("bucketed", ["--bucket-bytes", "4096"])]:
                           "--json", show=False))
     counters = r["bytes_sent"][0]["allreduce"]
     print(f"{mode:8s}: ok {r['ok']}, rank 0 made {counters['calls']} all-reduce calls, sent {counters['bytes']} bytes")
-    per_step = len(model.parameters()) if mode == "naive" else r["buckets"]
+    per_step = len(model.parameters()) if mode == "naive" else r["trainer_report"]["buckets"]
     assert r["ok"] and counters["calls"] == steps * (per_step + 1)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The naive run makes one call per parameter per step plus one for the loss; the bucketed run one
 # per bucket plus one for the loss. The bytes differ slightly because the ring's blocks differ:
 # with N = 3, a buffer whose length is not a multiple of 3 has blocks of unequal size, and a rank
@@ -214,6 +215,12 @@ def bucketed_bytes(param_numels, itemsize, world_size, rank, bucket_bytes):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_rank_micro_batches, rank_micro_batches)
 ex.check(2, check_local_loss, local_loss)
 ex.check(3, check_assign_buckets, assign_buckets)

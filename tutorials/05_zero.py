@@ -28,7 +28,7 @@ from refimpl.nn import GPT, GPTConfig
 from refimpl.optim import AdamW
 from refimpl.parallel.zero.flat import FlatGroup
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. Where the memory goes
 #
 # For Ψ parameters, count bytes per parameter: P for the parameter, G for its gradient, K for the
@@ -49,7 +49,7 @@ from refimpl.parallel.zero.flat import FlatGroup
 print(subprocess.run([sys.executable, "-m", "refimpl", "memory", "--params", "7.5B", "--world", "64"],
                      capture_output=True, text=True, check=True).stdout)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # 120 GB per rank is more than an 80 GB A100 or H100 holds, and it nearly fills the largest
 # accelerators (141 GB on an H200, 192 GB on an MI300X or a B200) before a single activation is
 # stored; 1.9 GB fits on any of them, with the rest left for activations.
@@ -77,7 +77,7 @@ for rank in range(3):
     print(f"rank {rank}: {group.numel} elements padded to L = {group.length}, owns [{group.start}, {group.stop}), "
           f"which holds {[(name, a, b) for name, a, b, _ in group.pieces()]}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # `pieces()` lists, for the rank's block, which parameter elements it holds: a shard may start in
 # the middle of one tensor and end in another. The padding (at most N − 1 elements) stays zero:
 # its gradient is zero, so the optimizer never moves it.
@@ -102,7 +102,7 @@ for step in range(3):
 print("sharded == whole, bit for bit:", np.array_equal(shards, whole))
 assert np.array_equal(shards, whole)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # In a real run the gradient each rank needs is block r of the **sum** over ranks, exactly what a
 # reduce-scatter delivers, and after the step an all-gather gives every rank the whole updated
 # parameters back. Clipping by the global norm costs one more number: each rank's squared norm of
@@ -131,7 +131,7 @@ for row in report["rows"]:
 assert report["ledger_equals_formula"] and report["communication_equals_formula"]
 assert all(row["padded_params"] == row["params"] for row in report["rows"])
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Reading it: every rank holds the same bytes, and the ledger equals the formula to the byte (this
 # model's buffers need no padding at N = 4). Stage by stage the optimizer states (K), then the
 # gradients (G), then the parameters (P) drop to a quarter. What the formula leaves out are the
@@ -176,7 +176,7 @@ for stage, category, computed, how in explained:
     print(f"{stage:8s} peak {category.replace('_', ' '):19s} {peaks[stage][category]:7,d} = {how}")
     assert peaks[stage][category] == computed
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The same report counts the communication of the step and finds the formulas of part 1:
 
 # %%
@@ -184,7 +184,7 @@ for row in report["rows"]:
     print(f"{row['name']:8s} {row['comm_formula']:16s} = {row['comm_elements_formula']:9,.0f} elements; "
           f"counted {row['comm_elements_measured']}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. Exactly the same training
 #
 # `verify --zero STAGE` trains with that stage and compares the losses, gradients and parameters
@@ -199,7 +199,7 @@ for stage in (1, 3):
     print(f"ZeRO-{stage}: verify ok {result['ok']}, largest |diff| {result['max_abs_diff']:.1e}")
     assert result["ok"]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 5. A memory budget
 #
 # `--mem-budget SIZE` turns the ledger into a simulated device: an allocation that would take a
@@ -214,7 +214,7 @@ for stage in (0, 3):
     print(f"--zero {stage}: exit status {done.returncode}: {lines[-1] if lines else done.stderr[-300:]}\n")
     assert (done.returncode == 0) == (stage == 3)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Data parallelism runs out while allocating its optimizer state; ZeRO-3 trains. `docs/zero.md`
 # shows all four stages under this budget, and a benchmark of the largest model each stage fits.
 #
@@ -276,6 +276,12 @@ def zero3_bytes(module_sizes, n, P, G, K):  # noqa: N803 - the paper's names
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_model_state_bytes, model_state_bytes)
 ex.check(2, check_shard_bounds, shard_bounds)
 ex.check(3, check_sharded_update, sharded_update)

@@ -30,7 +30,7 @@ from refimpl.data import SortTask
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. One function: `checkpoint`
 #
 # `checkpoint(fn, x)` runs `fn` without recording anything and keeps only `x`. In backward it runs
@@ -59,7 +59,7 @@ print("gradients bit for bit equal:", same)
 print(f"what the plain block saves / its input: {results['plain'][2] / x_data.nbytes:.1f}")
 assert same and results["checkpoint"][2] == x_data.nbytes
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The checkpointed block keeps only its input x: (4, 16, 32) float64 numbers, 16,384 bytes, where
 # the plain block kept over 20 times as much (layer-norm outputs, attention probabilities, the
 # MLP's hidden activations, dropout masks). The recomputation draws the same dropout masks (the
@@ -87,7 +87,7 @@ for plan in ("none", "sqrt", "every:2", "every:8", "revolve:2", "revolve:4", "re
     m = measure_chain(tanh_chain(n), plan)
     print(f"{plan:12s} {m.extra_forwards:14d}   {m.peak_states:19.0f}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # A caveat: revolve is not the fewest recomputations for a given *peak* in this chain. `revolve:8`
 # and `every:8` both peak at 9 layer inputs, but revolve needs 22 extra forwards where `every:8`
 # needs 8 (and at sqrt's peak of 7, `revolve:6` needs 24 where `sqrt` needs 12). Revolve is optimal
@@ -97,7 +97,7 @@ for plan in ("none", "sqrt", "every:2", "every:8", "revolve:2", "revolve:4", "re
 # its input (a transformer block, part 4) the trade-off turns around; `docs/checkpointing.md`
 # measures both cases.
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # A plan is data: a list of actions (`Snapshot`, `Advance` without grad, `Record` with grad,
 # `Backprop`, `Restore`, `Free`), executed inside the engine. Here is `sqrt` for 9 layers; the
 # actions before the first `Backprop` run in the forward pass:
@@ -107,7 +107,7 @@ for action in actions_for("sqrt", 9):
     print(action)
 print(simulate_chain(actions_for("sqrt", 9), 9))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # `simulate_chain` predicts advances and peak from the actions alone; the tests check the prediction
 # against the counters and the ledger. Its `peak_bytes` is in layer inputs: it counts each kept
 # state as `input_bytes`, which defaults to 1. So `peak_bytes=5` is 5 layer inputs: the snapshots
@@ -128,7 +128,7 @@ for C in (1, 2, 4):
     print(f"C={C}: t(16, {C}) = {t:3d}, measured extra forwards {m.extra_forwards:3d}, peak {m.peak_states:.0f} inputs")
     assert t == m.extra_forwards
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. The GPT
 #
 # `apply_to_gpt(model, plan)` makes the model run its blocks under a plan. A transformer block
@@ -152,7 +152,7 @@ for plan in ("none", "sqrt", "every:1", "revolve:2"):
           f"gradients equal to none's: {same}")
     assert same
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 5. With data parallelism, verified
 #
 # `--checkpoint PLAN` works on `train` and `verify`; here two data-parallel ranks, each
@@ -166,7 +166,7 @@ result = last_json(run_mpi(2, "-m", "refimpl", "verify", *FLAGS, "--checkpoint",
 print("verify ok:", result["ok"], "| largest |diff|:", result["max_abs_diff"])
 assert result["ok"]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # verify's report reads as in tutorial 04: the JSON's `max_rel_diff` (near 1e-03 beside
 # `"rtol":1e-10`) is the worst |diff| / max(|reference|, atol), large only for gradients that are
 # zero up to rounding; the verdict compares every |diff| with atol + rtol·|reference|, and the
@@ -238,6 +238,12 @@ def cheapest_every_k(n, budget):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_sqrt_cost, sqrt_cost)
 ex.check(2, check_revolve_extra, revolve_extra)
 ex.check(3, check_every_k_schedule, every_k_schedule)

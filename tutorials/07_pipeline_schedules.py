@@ -20,7 +20,7 @@ from refimpl.parallel.pipeline import Costs, ScheduleError, build, simulate, val
 from refimpl.parallel.pipeline.actions import Action, linear_placement, make_schedule
 from refimpl.tools.render import render_svg, render_text
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. A schedule is a list of actions per rank
 #
 # GPipe (Huang et al., 2018): every rank runs all its forwards, then all its backwards.
@@ -31,7 +31,7 @@ gpipe = build("gpipe", pp=4, micro_batches=4)
 for rank, program in enumerate(gpipe.text(short=True)):
     print(f"rank {rank}: {program}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 2. Simulating it
 #
 # The simulator runs each rank's list in order, each action as soon as its inputs are ready:
@@ -46,7 +46,7 @@ print(render_text(timeline))
 print("makespan", timeline.makespan, "| idle per rank", [int(x) for x in timeline.idle],
       "| bubble fraction", timeline.bubble_fraction)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Each rank idles (p − 1)(F + B) = 3 × 3 = 9 units: rank r waits r·F at the start for the first
 # activation to arrive, (p − 1 − r)(F + B) between its forwards and its backwards for the first
 # gradient to come back, and r·B at the end while the ranks before it finish. Every rank does
@@ -61,7 +61,7 @@ for m in (1, 2, 4, 8, 16, 32):
     assert fraction == Fraction(p - 1, m + p - 1)
     print(f"{m:2d}   {float(fraction):9.4f}   {(p - 1) / (m + p - 1):13.4f}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 3. The price of GPipe: memory, and 1F1B
 #
 # A forward leaves activations behind that its backward needs. In GPipe rank 0 runs all m
@@ -79,7 +79,7 @@ for name in ("gpipe", "1f1b"):
 print()
 print(render_text(simulate(build("1f1b", p, m), costs)))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # **Interleaved 1F1B** (Megatron-LM) gives each rank v smaller stages ("chunks"): stage s runs on
 # rank s mod p, so the pipeline fills v times faster and the bubble shrinks by v. Each chunk's
 # action costs 1/v of a whole rank's share:
@@ -91,7 +91,7 @@ one_f_one_b = simulate(build("1f1b", p, m), costs)
 print("idle per rank: 1f1b", one_f_one_b.idle[0], "| interleaved (v=2)", interleaved.idle[0])
 assert interleaved.idle[0] * v == one_f_one_b.idle[0]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. What the validator catches
 #
 # A schedule can be wrong in ways that only show when it runs: an action missing or duplicated, a
@@ -110,7 +110,7 @@ try:
 except ScheduleError as error:
     print("ScheduleError:", error)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 5. Pictures and real runs
 #
 # `python -m refimpl schedule NAME --pp P --micro-batches M` prints all of the above for any
@@ -126,7 +126,7 @@ if "IPython" in sys.modules:
 print(f"an SVG of {len(svg)} characters; python -m refimpl schedule 1f1b --pp 4 --micro-batches 8 "
       "--render svg --out 1f1b.svg writes the same file")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The same lists drive refimpl's pipeline executor over MPI
 # (`refimpl/parallel/pipeline/executor.py`, `docs/pipeline_parallel.md`). `verify` trains a
 # 4-layer GPT cut into 4 stages on 4 processes with 1F1B and compares every gradient and parameter
@@ -137,10 +137,10 @@ from harness import last_json, run_mpi
 
 FLAGS = ["--model", "gpt", "--n-layer", "4", "--d-model", "16", "--seq-len", "8", "--batch-size", "8", "--steps", "2"]
 result = last_json(run_mpi(4, "-m", "refimpl", "verify", *FLAGS, "--pp", "4", "--schedule", "1f1b", "--json"))
-print("verify ok:", result["ok"], "| stages of each rank:", result["pipeline"]["stages_of_rank"])
+print("verify ok:", result["ok"], "| stages of each rank:", result["trainer_report"]["pipeline"]["stages_of_rank"])
 assert result["ok"]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # verify's report reads as in tutorial 04: the JSON's `max_rel_diff` (near 1e-03 beside
 # `"rtol":1e-10`) is the worst |diff| / max(|reference|, atol), large only for gradients that are
 # zero up to rounding; the verdict compares every |diff| with atol + rtol·|reference|, and the
@@ -203,6 +203,12 @@ def interleaved_bubble(pp, m, v):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_gpipe, gpipe)
 ex.check(2, check_one_f_one_b, one_f_one_b)
 ex.check(3, check_bubble_fraction, bubble_fraction)

@@ -38,7 +38,7 @@ def show(name, chunk_costs=costs):
     return timeline
 
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. ZB-H1: 1F1B with deferred W
 #
 # ZB-H1 keeps 1F1B's order of forwards and input-gradient passes, but rank r holds back its
@@ -51,7 +51,7 @@ one_f_one_b = show("1f1b")
 zb1p = show("zb1p")
 assert zb1p.idle[0] == (p - 1) * (costs.F + costs.I - costs.W) == 3 and one_f_one_b.idle[0] == 9
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Idle per rank drops from (p − 1)(F + B) = 9 to (p − 1)(F + I − W) = (p − 1)(F + B − 2W) = 3. The
 # price is memory: an activation is needed until its W, so every rank now holds p micro-batches'
 # activations, where 1F1B's rank r held p − r.
@@ -72,7 +72,7 @@ half = Costs(F=costs.F / 2, I=costs.I / 2, W=costs.W / 2)
 zbv = show("zbv", half)
 assert all(x == 0 for x in zbh2.steady_state_idle + zbv.steady_state_idle)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 3. DualPipe and DualPipeV
 #
 # In DualPipe each of the p ranks holds two stages: stage r of pipeline 0 (micro-batches enter at
@@ -89,7 +89,7 @@ print("closed form:", closed_form(build("dualpipe", p, m), costs).formula, "=",
 print("parameters per rank, in units of 1/p of the model:",
       [build("dualpipe", p, m).parameter_share(r) for r in range(p)])
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. Side by side, and where the formulas stop being exact
 #
 # The `schedule` command compares every schedule on one table (costs per rank's share of the
@@ -100,7 +100,7 @@ print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "--compare", 
                       "--micro-batches", str(m), "--costs", "F=1,I=1,W=1"],
                      capture_output=True, text=True, check=True).stdout)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The published closed forms assume balanced costs. The simulator is exact arithmetic, so it
 # shows where they stop holding. DualPipe on 8 ranks with 20 micro-batches:
 
@@ -112,7 +112,7 @@ for F_, I_, W_ in [(1, 1, 1), (2, 1, 1), (1, 2, 1)]:
     print(f"F={F_} I={I_} W={W_}: simulated idle per rank {sorted(set(str(x) for x in simulated))}, "
           f"formula {closed_form(schedule, c).idle}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # With an expensive forward the ranks idle more than the formula says; with an expensive input
 # gradient, less. `docs/pipeline_schedules.md` lists these cases and the tests pin them.
 #
@@ -128,10 +128,10 @@ from harness import last_json, run_mpi
 FLAGS = ["--model", "gpt", "--n-layer", "4", "--d-model", "16", "--seq-len", "8", "--batch-size", "8", "--steps", "2"]
 result = last_json(run_mpi(4, "-m", "refimpl", "verify", *FLAGS, "--pp", "4", "--schedule", "dualpipe",
                            "--micro-batches", "8", "--json"))
-print("verify ok:", result["ok"], "| stages of each rank:", result["pipeline"]["stages_of_rank"])
+print("verify ok:", result["ok"], "| stages of each rank:", result["trainer_report"]["pipeline"]["stages_of_rank"])
 assert result["ok"]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # verify's report reads as in tutorial 04: the JSON's `max_rel_diff` (near 1e-03 beside
 # `"rtol":1e-10`) is the worst |diff| / max(|reference|, atol), large only for gradients that are
 # zero up to rounding; the verdict compares every |diff| with atol + rtol·|reference|, and the
@@ -195,6 +195,12 @@ def zb1p_idle_any(pp, F, I, W):  # noqa: E741 - the paper's names
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_zb1p_idle, zb1p_idle)
 ex.check(2, check_peak_activations, peak_activations)
 ex.check(3, check_zb_h1, zb_h1)

@@ -18,7 +18,7 @@ from harness import last_json, run_mpi
 
 from refimpl.parallel.pipeline import Costs, build, simulate
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. The grid
 #
 # A job of N = pp · dp · tp ranks is a grid: dp data-parallel replicas of a pipeline of pp
@@ -44,7 +44,7 @@ dp, pp = 2, 2  # tp = 1
 for p in range(pp):
     print(f"stage p={p}: " + "   ".join(f"replica d={d} on rank {p * dp + d}" for d in range(dp)))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Each row is one stage in every replica: neighbouring ranks, which sum that stage's gradients
 # (its data-parallel group). Each column is one pipeline running the schedule: ranks dp apart.
 #
@@ -74,7 +74,7 @@ plain, zero1, both = held.values()
 assert [2 * x for x in zero1[0]["optimizer_states"]] == plain[0]["optimizer_states"]
 assert all(b < a for a, b in zip(zero1[1], both[1]))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Each pipeline rank holds about half the model (its 2 blocks; stage 0 also the embeddings,
 # stage 1 the head). ZeRO-1 halves its optimizer state: the state of each stage is split between
 # the stage's two copies. Checkpointing every block cuts the saved activations; and pipeline rank 0
@@ -90,12 +90,13 @@ assert all(b < a for a, b in zip(zero1[1], both[1]))
 result = last_json(run_mpi(4, "-m", "refimpl", "verify", *MODEL, "--steps", "2", "--pp", "2", "--schedule", "zb1p",
                            "--micro-batches", "4", "--zero", "1", "--checkpoint", "sqrt", "--dropout", "0.1", "--json",
                            show=False))
+facts = result["trainer_report"]  # the trainer's own report, beside verify's verdict
 print(f"verify ok: {result['ok']}; largest |diff| {result['max_abs_diff']:.1e}; "
-      f"ZeRO group of {result['pipeline']['sharding_group']} ranks; stages of each rank "
-      f"{result['pipeline']['stages_of_rank']}")
+      f"ZeRO group of {facts['pipeline']['sharding_group']} ranks; stages of each rank "
+      f"{facts['pipeline']['stages_of_rank']}")
 assert result["ok"]
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # DualPipe composes too. Its ranks hold two stages each (stage p and stage pp − 1 − p), so in a
 # 2-stage DualPipe both ranks of a replica hold both stages: a stage's gradient is summed over
 # its dp = 2 replicas by the ZeRO stage (sharding the optimizer state in halves) and then over its
@@ -104,12 +105,13 @@ assert result["ok"]
 # %%
 result = last_json(run_mpi(4, "-m", "refimpl", "verify", *MODEL, "--steps", "2", "--pp", "2", "--schedule", "dualpipe",
                            "--micro-batches", "4", "--zero", "1", "--json", show=False))
-print(f"verify ok: {result['ok']}; ZeRO group of {result['pipeline']['sharding_group']} ranks, "
-      f"{result['pipeline']['stage_copies']} copies of each stage; stages of each rank "
-      f"{result['pipeline']['stages_of_rank']}")
-assert result["ok"] and result["pipeline"]["sharding_group"] == 2 and result["pipeline"]["stage_copies"] == 2
+facts = result["trainer_report"]  # the trainer's own report, beside verify's verdict
+print(f"verify ok: {result['ok']}; ZeRO group of {facts['pipeline']['sharding_group']} ranks, "
+      f"{facts['pipeline']['stage_copies']} copies of each stage; stages of each rank "
+      f"{facts['pipeline']['stages_of_rank']}")
+assert result["ok"] and facts["pipeline"]["sharding_group"] == 2 and facts["pipeline"]["stage_copies"] == 2
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 4. ZeRO-3 and mixed precision inside a pipeline
 #
 # ZeRO-2 and ZeRO-3 shard gradients and parameters across the data-parallel ranks inside the
@@ -121,11 +123,12 @@ assert result["ok"] and result["pipeline"]["sharding_group"] == 2 and result["pi
 # %%
 result = last_json(run_mpi(4, "-m", "refimpl", "verify", *MODEL, "--steps", "2", "--pp", "2", "--schedule", "zb1p",
                            "--micro-batches", "4", "--zero", "3", "--dtype", "mixed", "--json", show=False))
-print(f"verify ok: {result['ok']} ({result['strategy']}, {result['precision']}); tolerance used "
+facts = result["trainer_report"]  # the trainer's own report, beside verify's verdict
+print(f"verify ok: {result['ok']} ({facts['strategy']}, {facts['precision']}); tolerance used "
       f"{result['tolerance_used']:.2f} of mixed precision's float16 bounds")
-assert result["ok"] and result["strategy"] == "ZeroStage3"
+assert result["ok"] and facts["strategy"] == "ZeroStage3"
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 5. Time: the bubble, simulated and measured
 #
 # The executor can replace each action's computation by a sleep of a fixed cost (`--action-costs`,
@@ -141,7 +144,7 @@ for schedule in ("1f1b", "zb1p"):
     print(f"{schedule}: bubble fraction at the nominal costs {float(exact):.3f}; in the run: simulated with the "
           f"measured costs {timing['simulated_bubble']:.3f}, measured {timing['measured_bubble']:.3f}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The run reports the simulator's prediction for the mean cost of each kind of action as measured
 # in this very run (a sleep of 20 ms lasts a little longer), and the bubble the ranks actually
 # spent waiting. The measurement adds what the simulator leaves out:
@@ -154,7 +157,7 @@ for schedule in ("1f1b", "zb1p"):
 print(subprocess.run([sys.executable, "-m", "refimpl", "schedule", "zb1p", "--pp", "2", "--micro-batches", "4",
                       "--costs", "F=1,I=1,W=1"], capture_output=True, text=True, check=True).stdout)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # **Question (measure and explain).** (a) Run section 2's configuration (1F1B, 4 micro-batches)
 # with `--zero 0`, `1`, `2` and `3`, and read, per pipeline rank, `model_state_bytes`,
 # `memory_peak_bytes` (its `gradient_buckets` and `total`) and `bytes_sent` (reduce-scatter and
@@ -239,6 +242,12 @@ def stage_model_states(n_layer, d_model, seq_len, vocab_size, dp, pp, zero):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_mesh_coordinates, mesh_coordinates)
 ex.check(2, check_stage_layers, stage_layers)
 ex.check(3, check_gradient_group, gradient_group)

@@ -26,14 +26,12 @@
 # %%
 import numpy as np
 from harness import last_json, run_mpi
-from harness.tensor_parallel import reference_mlp_slices, run_ranks
+from harness.tensor_parallel import mlp_layers, run_ranks, slice_difference
 
 from refimpl.autograd import Parameter, Tensor
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 from refimpl.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     padded,
     shard_gpt,
     vocab_parallel_cross_entropy,
@@ -45,7 +43,7 @@ def gelu(z):  # refimpl's GeLU on a plain array
     return F.gelu(Tensor(z)).data
 
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. Two ways to cut a matrix
 #
 # In the paper's notation a linear layer is Y = X A with A of shape (in, out). There are two ways
@@ -78,7 +76,7 @@ print(f"sum over {t} ranks of the partial outputs vs one process: {np.abs(sum(pa
 cut_rows_first = sum(gelu(X[:, f] @ A[f, :]) for f in np.split(np.arange(C), t))  # A by rows: GeLU before the sum
 print(f"A cut by rows instead, GeLU on each partial sum:       {np.abs(cut_rows_first - gelu(X @ A)).max():.1e}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The first is rounding; the second is a different function, which is why the first layer is the
 # column-parallel one. One all-reduce per MLP in forward, of an (N, C) activation, whatever t.
 #
@@ -111,8 +109,9 @@ print(f"A cut by rows instead, GeLU on each partial sum:       {np.abs(cut_rows_
 # this process with its own communicator: a refimpl `Comm` (`comm.rank`, `comm.size`,
 # `comm.allreduce(buf)` in place, the byte counters of tutorial 03), whose collectives meet the
 # other threads and add their contributions in rank order, so that every rank gets the same sum,
-# bit for bit, as from MPI (`harness/tensor_parallel.py`). The slices come from
-# `reference_mlp_slices`, refimpl's answer to exercise 2.
+# bit for bit, as from MPI (`harness/tensor_parallel.py`). `mlp_layers` gives rank r its fc and
+# proj layers, holding its slices of the four arrays; which rows and columns those are, in
+# refimpl's (out, in) layout, is exercise 2, so the helper does not show them.
 
 # %%
 rng = np.random.default_rng(1)
@@ -130,9 +129,8 @@ y_whole.backward(dy)
 
 def mlp_rank(comm):
     """Rank comm.rank of comm.size: its slices, f -> fc -> GeLU -> proj -> g -> + bias."""
-    mine = [Parameter(a) for a in reference_mlp_slices(fc_w, fc_b, proj_w, proj_b, comm.rank, comm.size)]
-    fc = ColumnParallelLinear(mine[0], mine[1], comm, sequence_parallel=False)  # (4C/t, C), (4C/t,)
-    proj = RowParallelLinear(mine[2], mine[3], comm, sequence_parallel=False)  # (C, 4C/t), (C,) whole
+    fc, proj = mlp_layers(fc_w, fc_b, proj_w, proj_b, comm)  # ColumnParallelLinear, RowParallelLinear
+    mine = [fc.weight, fc.bias, proj.weight, proj.bias]  # this rank's slices, as Parameters
     xr = Tensor(x.copy(), requires_grad=True)  # every rank holds the whole input
     yr = proj(F.gelu(fc(xr)))  # (B, T, C): whole, the same on every rank
     yr.backward(dy)
@@ -141,15 +139,14 @@ def mlp_rank(comm):
 
 grads_whole = [p.grad for p in whole]
 for r, (y_r, dx_r, grads_r, sent) in enumerate(run_ranks(2, mlp_rank)):
-    expected = reference_mlp_slices(*grads_whole, r, 2)  # rank r's slices of one process's gradients
-    worst = max(np.abs(g - e).max() for g, e in zip(grads_r, expected))
+    worst = slice_difference(grads_r, grads_whole, r, 2)  # against rank r's slices of one process's gradients
     print(f"rank {r}: |y - y_one| {np.abs(y_r - y_whole.data).max():.1e}, |dx - dx_one| "
           f"{np.abs(dx_r - x_whole.grad).max():.1e}, its weight and bias gradients {worst:.1e}; "
           f"{sent['calls']} all-reduces, {sent['bytes']} bytes sent")
 print(f"an all-reduce of N·C = {Bt * T * C} float64 over 2 ranks sends 2(t-1)/t · {Bt * T * C} · 8 = "
       f"{Bt * T * C * 8} bytes")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Each rank holds and multiplies 1/t of the MLP's weights; every output and every gradient equals
 # one process's. The price is what the counters show: two all-reduces of an (N, C) activation,
 # g's in forward and f's in backward. Exercise 1 asks you to write f and g yourself.
@@ -179,7 +176,7 @@ for r in range(t):
     thirds = [" ".join(block[i * rows // 3:(i + 1) * rows // 3]) for i in range(3)]
     print(f"contiguous rows for rank {r}: read as q [{thirds[0]}]  k [{thirds[1]}]  v [{thirds[2]}]")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # A contiguous block would give rank 0 all of q and half of k: its "k" would be q's heads 2 and 3
 # and its "v" k's heads 0 and 1, and no head could be computed. Exercise 3 asks for the right rows.
 # The output projection, by contrast, is cut into contiguous column blocks: attention's output
@@ -239,7 +236,7 @@ print(f"gradients vs one process: {np.abs(grad[:, :V] - z.grad).max():.1e}; the 
 print(f"3N = {3 * N} numbers all-reduced: 2(t-1)/t · 3N · 8 = {3 * N * 8} bytes per rank. Per token, 3 numbers are "
       f"all-reduced, where gathering the logits would move V' of them: {Vp} here, about 50 000 for GPT-2")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 5. Sequence parallelism
 #
 # With tensor parallelism alone, everything between the parallel regions -- the layer norms, the
@@ -280,7 +277,7 @@ shards = 2 * (6 * L + 2 + T) * C * (t - 1) // t * 8  # all-reduce of (6L + 2 + T
 print(f"difference {sum(sp.values()) - sum(plain.values()):,} = re-gathers {regather:,} + gradients of the "
       f"parameters seen on shards {shards:,}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Now measure it. refimpl's `shard_gpt` cuts a whole GPT in place over a group (the trainer
 # calls it on every rank); on 2 simulated ranks, one forward and backward of a batch, with and
 # without sequence parallelism. The program also records, with a gradient hook registered before
@@ -319,7 +316,7 @@ for sequence_parallel in (False, True):
         print(f"  rank {r}: ln_f.weight's gradient vs one process: its own part {np.abs(own - reference).max():.1e}, "
               f"after backward {np.abs(final - reference).max():.1e}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The measured bytes equal the formula, kind by kind, and the loss is one process's.
 #
 # **Question (measure and explain).** Look at the layer norm's gradient in the last lines.
@@ -350,9 +347,9 @@ print(done.stderr.strip())  # verify's report; the JSON summary is stdout's last
 result = last_json(done)
 assert result["ok"] and "verify PASS" in done.stderr
 print(f"tolerance used {result['tolerance_used']:.3g}: the worst number used {100 * result['tolerance_used']:.2g}% "
-      f"of what verify allows it; tensor parallel {result['tensor_parallel']}")
+      f"of what verify allows it; tensor parallel {result['trainer_report']['tensor_parallel']}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # *Tolerance used* is the largest, over every number compared (the loss, each element of every
 # gradient and parameter, after every step), of |distributed − reference| / (atol + rtol·|reference|),
 # with rtol = 1e-10 and atol = 1e-12: verify passes when it is at most 1. A figure of 0.03 says
@@ -447,6 +444,12 @@ def tp_allreduce_bytes(n_layer, tokens, width, t, itemsize, first, last):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_conjugate_operators, conjugate_operators)
 ex.check(2, check_mlp_slices, mlp_slices)
 ex.check(3, check_qkv_slices, qkv_slices)

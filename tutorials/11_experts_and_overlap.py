@@ -40,7 +40,7 @@ from refimpl.parallel.pipeline.overlap import Interleaver
 
 np.set_printoptions(precision=3, suppress=True)
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "slide"}
 # ## 1. The router and top-K
 #
 # For a token x (C,) the router is a linear layer without bias, W_r (E, C), and a softmax:
@@ -72,7 +72,7 @@ gates = gates / gates.sum(axis=1, keepdims=True)  # renormalised
 for t in range(len(probs)):
     print(f"token {t}: p = {probs[t]}  chosen {chosen[t].tolist()}  gates {gates[t]}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Renormalising is Mixtral's recipe (Jiang et al., arXiv 2401.04088: a softmax over the chosen
 # logits only, the same numbers). It has a consequence at K = 1: the gate is p_e / p_e = 1 whatever
 # the router says, so the task's loss gives the router no gradient, and it learns only from the
@@ -106,7 +106,7 @@ uniform, collapsed = np.full(E, 1 / E), np.eye(E)[0]
 print(f"for comparison: E·Σ f·P = {E * np.sum(uniform * uniform):.3f} when routing and probabilities are uniform, "
       f"{E * np.sum(collapsed * collapsed):.3f} when everything goes to one expert (K = 1)")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Per sequence, because a sequence's f and P depend on that sequence alone: however the global
 # batch is cut into ranks, micro-batches and pipeline stages, every piece computes its own
 # sequences' terms, and the sum is one process's loss with no communication. A loss over the whole
@@ -140,7 +140,7 @@ for i, a in enumerate(order):  # the combine, as a scatter: row i's output goes 
     y_back[a] = y_sorted[i]
 print(f"back in (token, choice) order, 100·expert + token:\n{y_back.reshape(-1, K)}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The loop is a scatter. The layer does it as one gather instead, `y_sorted[inverse]` (N, K, C),
 # with an index array `inverse` (N, K) that says, for each (token, choice), which sorted row to read
 # back: exercise 1 asks for it, with `order` and `counts`. Every step is an
@@ -166,7 +166,7 @@ stats = moe.take_stats()
 print(f"|layer - loop| = {np.abs(y - loop).max():.1e}; assignments per expert {stats['counts'].tolist()} "
       f"(N·K = {len(y) * K}); balance loss {stats['aux_loss']:.6f}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # One more rule: every expert runs, one that got no token on a (0, C) input, so its parameters get
 # a (zero) gradient in every backward, on every rank. Data parallelism's buckets and ZeRO's flat
 # groups start a reduction when all their gradients have arrived; an expert used on one rank and not
@@ -210,7 +210,7 @@ for r, (recvcounts, recvbuf, sent) in enumerate(run_ranks(3, exchange_demo)):
     print(f"rank {r} received counts {recvcounts.tolist()}: {recvbuf.astype(int).tolist()}; bytes sent "
           f"{ {kind: c['bytes'] for kind, c in sent.items()} }")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # `ExpertParallel` (refimpl/parallel/experts.py) replaces the layer's "run each expert on its block"
 # with four steps: **counts** (an all-to-all of the E counts, E/P to each rank), **dispatch** (an
 # all-to-all(v) of the rows: rank j receives, from every source, its rows for j's experts), the
@@ -262,7 +262,7 @@ total = sum(sent["alltoallv"]["bytes"] for *_, sent in results)
 print(f"both ranks' all-to-all(v) bytes: {total} = 4 · C · {itemsize} · {remote} remote assignments = "
       f"{4 * C * itemsize * remote}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # The differences are exactly zero: each expert sees its rows source by source, and in token order
 # within a source, which is the order of one process's concatenated batch, so it computes the very
 # same sums. Each expert's gradient on its rank covers both ranks' rows (they were dispatched to
@@ -353,7 +353,7 @@ off, grads_off, _ = f_and_b(overlap=False)
 same = np.array_equal(on["ya"], off["ya"]) and all(np.array_equal(a, b) for a, b in zip(grads_on, grads_off))
 print(f"{on['switches']} switches; F's output and every gradient equal to F-then-B's bit for bit: {same}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # F's dispatch travels while B starts the transpose of its combine; F's experts run while B's rows
 # travel; B's expert backward runs while F's combine travels, and so on. (The counts all-to-all is
 # blocking and not a switch point.) Each task computes exactly what it would alone, in the same
@@ -377,7 +377,7 @@ print(f"{on['switches']} switches; F's output and every gradient equal to F-then
 print("F:", moe_forward([0, 1]))
 print("B:", moe_backward([0, 1]))
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # While a task's all-to-all is in flight, that task can do nothing: its next chunk needs the rows.
 # The only way to hide the transfer is for the *other* task to compute meanwhile; how much of the
 # transfer that hides depends on the order of the chunks and on their costs.
@@ -400,10 +400,10 @@ done = run_mpi(4, "-m", "refimpl", "verify", *SMALL, *MOE, "--steps", "2", "--js
 print(done.stderr.strip())  # verify's report; the JSON summary is stdout's last line
 result = last_json(done)
 assert result["ok"] and "verify PASS" in done.stderr
-print(f"expert parallel {result['expert_parallel']}; all-to-all(v) bytes per rank "
+print(f"expert parallel {result['trainer_report']['expert_parallel']}; all-to-all(v) bytes per rank "
       f"{[b['alltoallv']['bytes'] for b in result['bytes_sent']]}")
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # Overlap on against off (`--no-overlap`), on the same 4 processes: two trainers from the same seed
 # take two steps on the same batches, and the program compares losses, gradients and parameters
 # bit for bit, as `tests/test_overlap.py` does (with dropout, checkpointing, ZeRO-1 and -2, a
@@ -440,7 +440,7 @@ print(f"losses {report['losses']}; bitwise identical on every rank: {report['ide
       f"with the overlap {report['switches_on']}, without {report['switches_off']}")
 assert all(report["identical"]) and all(n > 0 for n in report["switches_on"])
 
-# %% [markdown]
+# %% [markdown] slideshow={"slide_type": "subslide"}
 # On one machine an all-to-all over shared memory takes microseconds, so there is little to hide
 # here; the point of these runs is that the reordering is free of any numerical effect.
 # Production systems overlap on separate CUDA streams (compute and communication kernels at the
@@ -537,6 +537,12 @@ def alltoall_bytes(chosen, n_experts, width, itemsize):
 
 
 # %%
+# Your answer to this tutorial's question (measure and explain): the grader reads this string
+# without running the file (tutorials/grade.py FOLDER --gradebook OUT).
+ANSWER = """
+(your answer)
+"""
+
 ex.check(1, check_dispatch_indices, dispatch_indices)
 ex.check(2, check_overlapped_order, overlapped_order)
 ex.check(3, check_exposed_time, exposed_time)

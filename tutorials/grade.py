@@ -4,13 +4,15 @@
     python tutorials/grade.py my/02_gpt.py my/05_zero.py    # a student's edited copies
     python tutorials/grade.py tutorials/solutions/*.py      # the reference solutions: all pass
     python tutorials/grade.py submissions/                  # a folder of students: one line each
-    python tutorials/grade.py submissions/ --json           # the same, as one JSON object
+    python tutorials/grade.py submissions/ --gradebook OUT  # and the gradebook and written answers' sheet
+    python tutorials/grade.py --build-copies OUT            # the student copy and the instructor copy
+    python tutorials/grade.py --capstone FILE.py:FUNCTION   # a schedule capstone; --trainer for a trainer
 
-What is graded. The exercises are read from the repository's own tutorials (tutorials/NN_*.py):
-every `ex.check(N, check_x, fn)` call names exercise N, its check (imported from tutorials/harness/)
-and the stub it grades, the function `fn` decorated with `@ex.stub`. Nothing is hard-coded here, so
-an exercise added to a tutorial is graded the moment it exists; the checks are the harness's own,
-run through `harness.run_check`, exactly as the tutorial runs them.
+What is graded. The exercises are read from the tutorials themselves (tutorials/grading/course.py:
+every `ex.check(N, check_x, fn)` call), and tutorials/course.toml gives each its points and the
+functions that answer it directly. Nothing is hard-coded here, so an exercise added to a tutorial
+is graded the moment it exists; the checks are the harness's own, run through `harness.run_check`,
+exactly as the tutorial runs them.
 
 Which file answers which tutorial. A FILE named `NN_anything.py` answers tutorial NN. That is the
 tutorial itself, a copy a student edited, or a file that defines only the exercise functions, as
@@ -23,124 +25,87 @@ what the exercise needs is kept: the exercise function (its `@ex.stub` decorator
 transitively, every top-level statement that binds a global name it uses -- imports, helper
 functions and classes, constants. The global names a function uses are found with `symtable`, the
 compiler's own scope analysis, so a parameter or local that happens to share a name with a
-tutorial variable pulls in nothing. The kept statements run in a fresh namespace, in their order in
-the file, compiled under the file's name so that an error points at the student's line; then the
-check runs on the function. The tutorial's other cells (training runs, `mpiexec` launches, plots)
-never run. Each exercise is extracted and executed on its own, so a broken helper of one exercise
-does not fail the others.
+tutorial variable pulls in nothing. The kept lines (the others blanked, so that line numbers stay
+the student's) are sent to the student's process, which runs them in a fresh namespace under the
+file's name. The tutorial's other cells (training runs, `mpiexec` launches, plots) never run. Each
+exercise is extracted and executed on its own, so a broken helper of one exercise does not fail
+the others.
 
-Verdicts. "pass": the check passed. "not done": the function is missing, is unchanged from the
+Where it runs. The student's code runs in a process of its own (tutorials/grading/sandbox.py and
+child.py), one per tutorial file and a fresh one after any exercise that killed it, started from a
+student copy of the course; the check and the reference answers run here, on the plain data the
+student's function returns (tutorials/grading/wire.py). docs/course.md, "What the grader
+guarantees", states what that protects and what it does not.
+
+Verdicts. "pass": the check passed (and, in the instructor's run, the hidden drawn cases of
+tutorials/grading/hidden.py). "not done": the function is missing, is unchanged from the
 tutorial's stub (its syntax tree is compared, so comments and blank lines do not count), or still
-raises NotImplementedError. "fail": the check found a wrong answer (its message says what was
-expected), or the student's code raised, or ran longer than --timeout seconds (default 30). What a
-student's code prints is swallowed so the table stays readable.
+raises NotImplementedError. "fail", with its `reason`: "wrong" (the check's message says what was
+expected), "error" (the student's code raised), "forbidden" (it called a function course.toml lists
+for the exercise), "tampered", "timeout" (past --timeout, default course.toml's 30 s), "exit" (the
+process ended: os._exit, a crash), "output" (it printed more than 1 MiB). Flags for the instructor
+(code similar to a solution or to refimpl's, constructs an exercise never needs) never change a
+verdict. What a student's code prints goes to a capped file, not the table.
 
-Time. No check launches mpiexec: the checks that need several ranks run them as threads in this
-process (harness/tensor_parallel.run_ranks, harness/collectives.run_ring); only the tutorials'
-demonstration cells launch mpiexec, and the grader never runs those. So every check runs, with no
---full switch: all exercises of tutorials 01-12 grade in about 2 s, imports included.
+Time. No check launches mpiexec: the checks that need several ranks run them as threads
+(harness/tensor_parallel.run_ranks, harness/collectives.run_ring); only the tutorials'
+demonstration cells launch mpiexec, and the grader never runs those. Grading the reference
+solutions takes 5 to 10 s on a shared 2-core machine (about 4.5 s of CPU), mostly starting one
+student's process per tutorial.
 
 A folder of submissions. A FOLDER argument holds one subfolder per student (the subfolder's name is
 the student's name) with that student's NN_name.py files; other files in FOLDER are ignored. Each
 student is graded against every tutorial's exercises (a tutorial with no file counts as not done,
-so every student has the same total), in a child process of its own: one student's code cannot
-change what another's is graded with, and a crash or a hang (past --timeout per exercise) costs only
-that student's line. One line per student: name, score, and which exercises are not done or fail.
+so every student has the same total), by a grader process of its own. One line per student: name,
+score, and which exercises are not done or fail; --gradebook OUT writes the gradebook
+(tutorials/grading/gradebook.py).
 
-Exit status: 0 when every exercise graded passes (for every student), 1 otherwise, 2 for a usage
-error (a missing file, a file with no exercise, two files for one tutorial, an empty folder) or an
-`ex.check` call in a tutorial that the grader cannot read.
+Exit status: 0 when every exercise graded passes (for every student), 1 when some fail, 3 when a
+student's process timed out, ended or flooded its output, 2 for a usage error (a missing file, a
+file with no exercise, two files for one tutorial, an empty folder) or an `ex.check` call in a
+tutorial that the grader cannot read.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import copy
-import importlib
-import io
 import json
 import os
 import re
-import signal
+import shlex
+import shutil
 import subprocess
 import symtable
 import sys
-import threading
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 TUTORIALS = Path(__file__).resolve().parent
 if str(TUTORIALS) not in sys.path:
     sys.path.insert(0, str(TUTORIALS))  # `import harness`, as the tutorials do
 
-from harness import run_check, title  # noqa: E402
+from grading import gradebook, scan  # noqa: E402
+from grading.capstone import grade_schedule, grade_trainer  # noqa: E402
+from grading.copies import build_instructor_copy, build_student_copy  # noqa: E402
+from grading.course import (  # noqa: E402
+    Exercise,
+    UsageError,
+    all_exercises,
+    config,
+    exercises_of,
+    strip_stub_decorator,
+)
+from grading.sandbox import StudentProcess  # noqa: E402
+from harness import run_check  # noqa: E402
 
 TUTORIAL_FILE = re.compile(r"^(\d\d)_\w+\.py$")
-
-
-class UsageError(Exception):
-    """A problem with the arguments, or a tutorial the grader cannot read (exit status 2), in one line."""
-
-
-class _OutOfTime(BaseException):  # a BaseException: a student's `except Exception` cannot swallow it
-    pass
-
-
-# ------------------------------------------------------------------------------------------------
-# The exercises, read from the repository's tutorials
-# ------------------------------------------------------------------------------------------------
-
-@dataclass
-class Exercise:
-    tutorial: str  # "02_gpt"
-    number: int
-    function: str  # the stub's name, which the student's function must have
-    check: object  # the harness's check function
-    stub: str  # ast.dump of the stub, decorators removed: an answer equal to it is not done
-
-    @property
-    def title(self) -> str:
-        return title(self.check) if self.check else self.function
-
-
-def _strip_stub_decorator(node: ast.FunctionDef) -> ast.FunctionDef:
-    node.decorator_list = [d for d in node.decorator_list if not ast.unparse(d).endswith(".stub")]
-    return node
-
-
-def exercises_of(path: Path) -> list[Exercise]:
-    """The exercises of one tutorial, in order: from its `ex.check(N, check, stub)` calls."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    checks = {}  # check name -> the harness module that defines it
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness"):
-            checks.update({alias.asname or alias.name: (node.module, alias.name) for alias in node.names})
-    stubs = {node.name: ast.dump(_strip_stub_decorator(node)) for node in tree.body
-             if isinstance(node, ast.FunctionDef)
-             and any(ast.unparse(d).endswith(".stub") for d in node.decorator_list)}
-    found = []
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "ex.check"):
-            continue
-        number, check, function = (node.args + [None] * 3)[:3]
-        if not (isinstance(number, ast.Constant) and isinstance(function, ast.Name)):
-            raise UsageError(f"{path.name}:{node.lineno}: cannot read `{ast.unparse(node)}` "
-                             "(the grader expects ex.check(N, check_name, function_name))")
-        resolved = None  # a check this grader cannot find fails loudly below, never drops the exercise
-        if isinstance(check, ast.Name) and check.id in checks:
-            module, name = checks[check.id]
-            resolved = getattr(importlib.import_module(module), name, None)
-        found.append(Exercise(path.stem, number.value, function.id, resolved, stubs.get(function.id, "")))
-    return sorted(found, key=lambda e: e.number)
-
-
-def all_exercises() -> dict[str, list[Exercise]]:
-    """Every tutorial's exercises, by tutorial name ("01_autograd": [...]), tutorials in order."""
-    return {path.stem: exercises_of(path) for path in sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))}
+PROCESS_REASONS = ("timeout", "exit", "output")  # the student's process failed: exit status 3
+__all__ = ["Exercise", "UsageError", "all_exercises", "exercises_of"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,13 +160,37 @@ def extract(tree: ast.Module, function: str) -> ast.Module:
     kept = [body[i] for i in sorted(keep) if body[i] not in future]
     for node in kept:
         if isinstance(node, ast.FunctionDef):
-            _strip_stub_decorator(node)
+            strip_stub_decorator(node)
     return ast.Module(body=future + kept, type_ignores=[])
 
 
 def _last_def(tree: ast.Module, function: str) -> ast.FunctionDef | None:
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function]
     return defs[-1] if defs else None
+
+
+def kept_text(text: str, module: ast.Module) -> str:
+    """`text` with every line that `module` (an `extract`ion of it) does not keep left blank: the
+    student's process compiles it under the file's name, so an error points at the student's line."""
+    lines = text.splitlines()
+    keep = [False] * len(lines)
+    for node in module.body:
+        for i in range(node.lineno - 1, node.end_lineno):
+            keep[i] = True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            for i in range(first - 1, node.lineno - 1):
+                keep[i] = True
+    out = [line if k else "" for line, k in zip(lines, keep)]
+    return "\n".join(out) + "\n"
+
+
+def _stub_decorator_lines(tree: ast.Module, module: ast.Module) -> set[int]:
+    """Line numbers of the `@ex.stub` decorators of the kept functions (removed before running)."""
+    kept = {(n.lineno, n.name) for n in module.body if isinstance(n, ast.FunctionDef)}
+    return {line for node in tree.body if isinstance(node, ast.FunctionDef) and (node.lineno, node.name) in kept
+            for d in node.decorator_list if ast.unparse(d).endswith(".stub")
+            for line in range(d.lineno, d.end_lineno + 1)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,75 +206,93 @@ class Grade:
     result: str  # "pass", "fail" or "not done"
     message: str
     file: str
+    reason: str = ""  # why it failed: wrong, error, timeout, exit, output, forbidden, tampered
+    points: float = 0
+    max_points: float = 1
+    flags: list = field(default_factory=list)  # for the instructor: similarity, suspicious constructs
 
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    """Raise _OutOfTime in the main thread after `seconds` (SIGALRM; no limit where there is none)."""
-    usable = (seconds > 0 and hasattr(signal, "setitimer")
-              and threading.current_thread() is threading.main_thread())  # where signals can be handled
-    if usable:
-        def ring(signum, frame):
-            raise _OutOfTime
+class Grader:
+    """Grades exercises with one student's process per tutorial file, against a student copy."""
 
-        previous = signal.signal(signal.SIGALRM, ring)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        if usable:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
+    def __init__(self, timeout: float, copy: Path | None = None, sandbox: str = "", hidden: bool = True) -> None:
+        self.timeout, self.sandbox, self.hidden = timeout, sandbox, hidden
+        self._temporary = None
+        if copy is None:
+            self._temporary = tempfile.TemporaryDirectory(prefix="student-copy-")
+            # The grader's working copy keeps the harness's reference functions (the checks that run in the
+            # student's process need them); a call to one during an exercise it answers is a tripwire.
+            instructor = (TUTORIALS / "solutions").is_dir()  # else this is a student copy: keep its table
+            copy = build_student_copy(Path(self._temporary.name), recorded={} if instructor else None, strip=False)
+        self.copy = Path(copy)
+        self.settings = config()
+
+    def close(self) -> None:
+        if self._temporary is not None:
+            self._temporary.cleanup()
+
+    def grade_tutorial(self, exercises: list[Exercise], text: str | None, tree: ast.Module | None,
+                       path: Path | None) -> list[Grade]:
+        process = StudentProcess(self.copy, self.sandbox)
+        try:
+            return [self.grade_exercise(exercise, text, tree, path, process) for exercise in exercises]
+        finally:
+            process.close()
+
+    def grade_exercise(self, exercise: Exercise, text: str | None, tree: ast.Module | None, path: Path | None,
+                       process: StudentProcess) -> Grade:
+        def grade(result: str, message: str = "", reason: str = "", flags=()) -> Grade:
+            return Grade(exercise.tutorial, exercise.number, exercise.function, exercise.title, result, message,
+                         str(path) if path else "", reason, exercise.points if result == "pass" else 0,
+                         exercise.points, list(flags))
+
+        if exercise.check is None:
+            return grade("fail", f"the grader cannot find exercise {exercise.number}'s check in "
+                                 f"{exercise.tutorial}.py (it reads `from harness... import check_x` and "
+                                 "`ex.check(N, check_x, function)`)", "error")
+        node = _last_def(tree, exercise.function) if tree is not None else None
+        if node is None:
+            where = (f"{path.name} does not define {exercise.function}" if tree is not None
+                     else "no file for this tutorial")
+            return grade("not done", where)
+        if ast.dump(strip_stub_decorator(_copy(node))) == exercise.stub:
+            return grade("not done", f"{exercise.function} is still the tutorial's stub")
+        module = extract(_copy(tree), exercise.function)
+        blank = _stub_decorator_lines(tree, module)
+        source = "\n".join("" if i + 1 in blank else line
+                           for i, line in enumerate(kept_text(text, module).splitlines())) + "\n"
+        flags = scan.flags(module, exercise, self.settings)
+        here = bool(self.settings.get("exercise", {}).get(exercise.key, {}).get("check_in_student_process"))
+        if here:
+            flags.append("its check ran in the student's process (its answer is a live object): read the code")
+        outcome = process.grade(source, str(path), exercise.function, exercise.forbidden, exercise.check,
+                                self.timeout, run_check, here)
+        drawn = hidden_check(exercise, self.settings) if outcome.result == "pass" and self.hidden else None
+        if drawn is not None:
+            second = process.grade(source, str(path), exercise.function, exercise.forbidden, drawn, self.timeout,
+                                   run_check)
+            if second.result != "pass":
+                outcome = second
+                if second.reason in ("wrong", "error"):
+                    outcome.message = f"a hidden drawn case: {second.message}"
+        return grade(outcome.result, outcome.message, outcome.reason, flags)
 
 
-def grade_exercise(exercise: Exercise, tree: ast.Module | None, path: Path, timeout: float) -> Grade:
-    """Grade one exercise against the parsed file `tree` (None: no file for this tutorial)."""
-    def grade(result: str, message: str = "") -> Grade:
-        return Grade(exercise.tutorial, exercise.number, exercise.function, exercise.title, result, message,
-                     str(path) if path else "")
+def hidden_check(exercise: Exercise, settings: dict):
+    """The instructor's drawn-cases check of `exercise`, or None (none written, or a student copy)."""
+    if not (TUTORIALS / "grading" / "hidden.py").is_file():
+        return None
+    from grading import hidden  # noqa: PLC0415 - the instructor copy only
 
-    if exercise.check is None:
-        return grade("fail", f"the grader cannot find exercise {exercise.number}'s check in {exercise.tutorial}.py "
-                             "(it reads `from harness... import check_x` and `ex.check(N, check_x, function)`)")
-    node = _last_def(tree, exercise.function) if tree is not None else None
-    if node is None:
-        where = f"{path.name} does not define {exercise.function}" if tree is not None else "no file for this tutorial"
-        return grade("not done", where)
-    if ast.dump(_strip_stub_decorator(_copy(node))) == exercise.stub:
-        return grade("not done", f"{exercise.function} is still the tutorial's stub")
-    module = extract(_copy(tree), exercise.function)
-    namespace = {"__name__": f"graded_{exercise.tutorial}", "__file__": str(path)}
-    quiet = io.StringIO()
-    try:
-        with _time_limit(timeout), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            try:
-                exec(compile(module, str(path), "exec"), namespace)  # noqa: S102 - the student's definitions only
-            except Exception as exc:  # noqa: BLE001 - reported as the student's error
-                line = getattr(exc, "lineno", None) or _line_of(exc, path)
-                return grade("fail", f"defining {exercise.function} raised {type(exc).__name__}: {exc}"
-                             + (f" (at {path.name}:{line})" if line else ""))
-            result = run_check(exercise.check, namespace[exercise.function])
-    except _OutOfTime:
-        return grade("fail", f"{exercise.function} ran longer than {timeout:g} s (--timeout)")
-    except (SystemExit, GeneratorExit) as exc:  # a student's sys.exit() must not end the grading
-        return grade("fail", f"{exercise.function} raised {type(exc).__name__}")
-    verdict = {"correct": "pass", "not done": "not done", "wrong": "fail", "error": "fail"}[result.status]
-    return grade(verdict, result.message)
+    return hidden.check_for(exercise, settings.get("course", {}).get("hidden_cases", 6))
 
 
 def _copy(node):
     return copy.deepcopy(node)  # keeps line numbers: errors point at the student's line
-
-
-def _line_of(exc: BaseException, path: Path) -> int | None:
-    import traceback  # noqa: PLC0415
-
-    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
-    return lines[-1] if lines else None
 
 
 def assign(paths: list[Path], exercises: dict[str, list[Exercise]]) -> dict[str, Path]:
@@ -323,8 +330,16 @@ def assign(paths: list[Path], exercises: dict[str, list[Exercise]]) -> dict[str,
     return chosen
 
 
-def grade_files(paths: list[Path], timeout: float, every_tutorial: bool = False) -> list[Grade]:
-    """Grade the files: every exercise of the tutorials they answer (of all tutorials with every_tutorial)."""
+def grade_files(paths: list[Path], grader: Grader | None = None, every_tutorial: bool = False, *,
+                timeout: float = 30) -> list[Grade]:
+    """Grade the files: every exercise of the tutorials they answer (of all tutorials with every_tutorial).
+    Without a `grader`, one is made for this call (its own student copy, `timeout` per exercise)."""
+    if grader is None:
+        grader = Grader(timeout)
+        try:
+            return grade_files(paths, grader, every_tutorial)
+        finally:
+            grader.close()
     exercises = all_exercises()
     chosen = assign(paths, exercises)
     grades = []
@@ -332,25 +347,26 @@ def grade_files(paths: list[Path], timeout: float, every_tutorial: bool = False)
         path = chosen.get(tutorial)
         if path is None and not every_tutorial:
             continue
-        tree, broken = None, ""
+        text, tree, broken = None, None, ""
         if path is not None:
+            text = path.read_text(encoding="utf-8")
             try:
-                tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+                tree = ast.parse(text, str(path))
             except SyntaxError as exc:
                 broken = f"{path.name} does not parse: {exc.msg} (line {exc.lineno})"
-        for exercise in listed:
-            if broken:
-                grades.append(Grade(tutorial, exercise.number, exercise.function, exercise.title, "fail", broken,
-                                    str(path)))
-            else:
-                grades.append(grade_exercise(exercise, tree, path, timeout))
+        if broken:
+            grades += [Grade(tutorial, e.number, e.function, e.title, "fail", broken, str(path), "error", 0, e.points)
+                       for e in listed]
+        else:
+            grades += grader.grade_tutorial(listed, text, tree, path)
     return grades
 
 
 def summary(grades: list[Grade]) -> dict:
     passed = sum(g.result == "pass" for g in grades)
     return {"score": passed, "total": len(grades), "all_pass": bool(grades) and passed == len(grades),
-            "results": [asdict(g) for g in grades]}
+            "points": sum(g.points for g in grades), "max_points": sum(g.max_points for g in grades),
+            "flagged": sum(bool(g.flags) for g in grades), "results": [asdict(g) for g in grades]}
 
 
 def print_table(grades: list[Grade]) -> None:
@@ -361,17 +377,22 @@ def print_table(grades: list[Grade]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
     passed = sum(g.result == "pass" for g in grades)
     print(f"\nscore: {passed}/{len(grades)}")
+    for g in grades:
+        for flag in g.flags:
+            print(f"flag for the instructor: {g.tutorial[:2]}.{g.exercise} {g.function}: {flag}")
 
 
 # ------------------------------------------------------------------------------------------------
 # A folder of submissions: one child process per student
 # ------------------------------------------------------------------------------------------------
 
-def grade_student(folder: Path, timeout: float, limit: float) -> dict:
+def grade_student(folder: Path, timeout: float, limit: float, copy_dir: Path, sandbox: str = "") -> dict:
     """{"student", "score", "total", "results"} or {"student", "error"}: one child grader run."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix == ".py")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and TUTORIAL_FILE.match(p.name))  # not capstone.py
     command = [sys.executable, str(Path(__file__).resolve()), "--json", "--every-tutorial",
-               "--timeout", str(timeout), *map(str, files)]
+               "--timeout", str(timeout), "--student-copy", str(copy_dir), *map(str, files)]
+    if sandbox:
+        command += ["--sandbox", sandbox]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
@@ -387,14 +408,14 @@ def grade_student(folder: Path, timeout: float, limit: float) -> dict:
     return {"student": folder.name, **report}
 
 
-def grade_folder(folder: Path, timeout: float) -> list[dict]:
+def grade_folder(folder: Path, timeout: float, copy_dir: Path, sandbox: str = "") -> list[dict]:
     students = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
     if not students:
         raise UsageError(f"{folder}: no submissions (one subfolder per student)")
     n_exercises = sum(len(listed) for listed in all_exercises().values())
-    limit = 60 + timeout * n_exercises
+    limit = 60 + 2 * timeout * n_exercises
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda s: grade_student(s, timeout, limit), students))
+        return list(pool.map(lambda s: grade_student(s, timeout, limit, copy_dir, sandbox), students))
 
 
 def student_line(report: dict, width: int) -> str:
@@ -414,71 +435,54 @@ def student_line(report: dict, width: int) -> str:
 # ------------------------------------------------------------------------------------------------
 
 # ------------------------------------------------------------------------------------------------
-# The capstone: a pipeline schedule of the student's own (docs/capstone.md)
+# The capstones: a pipeline schedule or a trainer of the student's own (docs/capstone.md)
 # ------------------------------------------------------------------------------------------------
 
-VERIFY_FLAGS = ["--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch-size", "8",
-                "--steps", "2"]
+def grade_capstone(spec: str, kind: str = "schedule", run_verify: bool = True, copy_dir: Path | None = None,
+                   sandbox: str = "") -> list[Grade]:
+    """The capstone's grades (tutorials/grading/capstone.py), targets and points from course.toml."""
+    settings = config()
+    if kind == "trainer":
+        rows = grade_trainer(spec, settings, run_verify)
+    else:
+        temporary = None
+        if copy_dir is None:
+            temporary = tempfile.TemporaryDirectory(prefix="student-copy-")
+            copy_dir = build_student_copy(Path(temporary.name), recorded={} if (TUTORIALS / "solutions").is_dir()
+                                          else None, strip=False)
+        try:
+            rows = grade_schedule(spec, settings, Path(copy_dir), run_verify, sandbox)
+        finally:
+            if temporary is not None:
+                temporary.cleanup()
+    maxima = settings.get("capstone", {}).get(kind, {}).get("points", {})
+    return [Grade(f"capstone {kind}", i, what, what, result, message, spec, "" if result == "pass" else "wrong",
+                  points, float(maxima.get(what, 1)))
+            for i, (what, result, message, points) in enumerate(rows, start=1)]
 
 
-def grade_capstone(spec: str, pp: int, micro_batches: int, bubble_below: float | None,
-                   run_verify: bool = True, timeout: float = 120) -> list[Grade]:
-    """Three grades for the schedule generator `spec` (FILE.py:FUNCTION or MODULE:FUNCTION):
+def grade_capstone_folder(folder: Path, kind: str, run_verify: bool, copy_dir: Path, sandbox: str) -> list[dict]:
+    """One report per student subfolder, from its course.toml-named file (capstone.py:my_schedule)."""
+    conf = config().get("capstone", {}).get(kind, {})
+    name, function = conf.get("file", "capstone.py"), conf.get("function", "my_schedule")
+    students = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+    if not students:
+        raise UsageError(f"{folder}: no submissions (one subfolder per student)")
+    reports = []
+    for student in students:
+        if not (student / name).is_file():
+            reports.append({"student": student.name, "error": f"no {name}"})
+            continue
+        report = summary(grade_capstone(f"{student / name}:{function}", kind, run_verify, copy_dir, sandbox))
+        reports.append({"student": student.name, **report})
+    return reports
 
-        valid        it builds for (pp, micro_batches) and refimpl's validator accepts it
-                     (every action once, placement, local order, messages paired, no deadlock)
-        target       its simulated bubble fraction at F = I = W = 1 is below `bubble_below`
-                     (default: 1F1B's at the same pp and micro-batches: the schedule must beat it)
-        equivalent   `mpiexec -n 2 python -m refimpl verify --pp 2 --schedule SPEC` passes: trained
-                     over MPI it equals single-process training (float64, rtol 1e-10)
-    """
-    from fractions import Fraction  # noqa: PLC0415
 
-    from refimpl.parallel.pipeline import Costs, build, simulate  # noqa: PLC0415
-    from refimpl.tools.plugin import build_schedule  # noqa: PLC0415
-
-    def grade(number, title, result, message):
-        return Grade("capstone", number, title, title, result, message, spec)
-
-    grades = []
-    try:
-        schedule = build_schedule(spec, pp, micro_batches)  # a plug-in: the core's build() has only the built-ins
-    except Exception as exc:  # noqa: BLE001 - the student's schedule, reported in one line
-        grades.append(grade(1, "valid", "fail", _first_line(str(exc)) or type(exc).__name__))
-        return grades + [grade(2, "bubble target", "not done", "needs a valid schedule"),
-                         grade(3, "equivalent to one process", "not done", "needs a valid schedule")]
-    grades.append(grade(1, "valid", "pass", f"validated for pp={pp}, {micro_batches} micro-batches"))
-    costs = Costs(F=1, I=1, W=1)
-    bubble = simulate(schedule, costs, steady_state=False).bubble_fraction
-    reference = simulate(build("1f1b", pp, micro_batches), costs, steady_state=False).bubble_fraction
-    target = Fraction(str(bubble_below)) if bubble_below is not None else reference
-    against = f"the target {float(target):.4f}" if bubble_below is not None else f"1F1B's {float(reference):.4f}"
-    ok = bubble < target
-    grades.append(grade(2, "bubble target", "pass" if ok else "fail",
-                        f"bubble {float(bubble):.4f} {'<' if ok else '>='} {against} (F = I = W, pp={pp}, "
-                        f"{micro_batches} micro-batches)"))
-    if not run_verify:
-        grades.append(grade(3, "equivalent to one process", "not done", "--no-verify"))
-        return grades
-    from refimpl.tools.runtime.launcher import find_mpiexec, without_launcher  # noqa: PLC0415
-
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        grades.append(grade(3, "equivalent to one process", "fail", "no mpiexec found (pip install mpich)"))
-        return grades
-    command = [mpiexec, "-n", "2", sys.executable, "-m", "refimpl", "verify", "--pp", "2", "--schedule", spec,
-               *VERIFY_FLAGS]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=without_launcher(),
-                              cwd=Path.cwd())
-        lines = (done.stdout + done.stderr).strip().splitlines()
-        message = next((line for line in reversed(lines) if "PASS" in line or "FAIL" in line or "error" in line),
-                       lines[-1] if lines else "")
-        result = "pass" if done.returncode == 0 else "fail"
-    except subprocess.TimeoutExpired:
-        result, message = "fail", f"verify did not finish in {timeout:g} s"
-    grades.append(grade(3, "equivalent to one process", result, f"verify --pp 2, 2 ranks: {message.strip()}"))
-    return grades
+def exit_status(grades: list[Grade]) -> int:
+    """0: every exercise passes; 3: some student's process timed out, ended or flooded; else 1."""
+    if any(g.reason in PROCESS_REASONS for g in grades):
+        return 3
+    return 0 if grades and all(g.result == "pass" for g in grades) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,26 +493,80 @@ def main(argv: list[str] | None = None) -> int:
                         help="NN_name.py files (an edited tutorial, or only the exercise functions), or folders "
                              "of submissions")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--timeout", type=float, default=30, help="seconds one exercise may run (default 30)")
+    parser.add_argument("--timeout", type=float, help="seconds one exercise may run (default: course.toml's, 30)")
     parser.add_argument("--every-tutorial", action="store_true",
                         help="grade every tutorial's exercises; those with no file are not done")
-    parser.add_argument("--capstone", metavar="FILE.py:FUNCTION",
-                        help="grade a pipeline schedule of the student's own (docs/capstone.md): valid, its bubble "
-                             "below the target, equal to one process under verify")
-    parser.add_argument("--pp", type=int, default=4,
-                        help="capstone: pipeline ranks to validate and simulate (default 4)")
-    parser.add_argument("--micro-batches", type=int, default=8, help="capstone: micro-batches (default 8)")
-    parser.add_argument("--bubble-below", type=float,
-                        help="capstone: the bubble fraction to beat (default: 1F1B's at the same pp and micro-batches)")
-    parser.add_argument("--no-verify", action="store_true", help="capstone: skip the mpiexec verify run")
+    parser.add_argument("--student-copy", metavar="DIR", type=Path,
+                        help="the student copy the student's code runs against (default: one built for this run)")
+    parser.add_argument("--sandbox", metavar="COMMAND", default="",
+                        help="a command to start the student's process under, e.g. 'sudo -u student --' or a "
+                             "bubblewrap line (docs/course.md)")
+    parser.add_argument("--public-only", action="store_true", help="skip the hidden drawn cases")
+    parser.add_argument("--gradebook", metavar="OUT", type=Path,
+                        help="with a folder of submissions: write OUT/gradebook.csv and .json, the written answers' "
+                             "marking sheet OUT/written_answers.md and OUT/marks_template.csv")
+    parser.add_argument("--gradebook-capstone", choices=["schedule", "trainer"],
+                        help="with --gradebook: grade each student's capstone file too (course.toml names it) and "
+                             "add its points (--no-verify skips its mpiexec runs)")
+    parser.add_argument("--marks", metavar="MARKS.csv", type=Path,
+                        help="the filled marks template: the written questions' points, added to the gradebook")
+    parser.add_argument("--build-copies", metavar="OUT", type=Path,
+                        help="write OUT/student (for students: no solutions, no reference answers) and "
+                             "OUT/instructor, then exit")
+    parser.add_argument("--capstone", metavar="FILE.py:FUNCTION_OR_FOLDER",
+                        help="grade a pipeline schedule of the student's own (docs/capstone.md), or a folder of "
+                             "submissions (course.toml names each one's file and function): valid, not a built-in, "
+                             "bubble and memory targets of course.toml, verify at 2 and 4 ranks and a sweep")
+    parser.add_argument("--trainer", metavar="FILE.py:FUNCTION_OR_FOLDER",
+                        help="grade a trainer of the student's own (docs/verify_your_algorithm.md): verify --trainer "
+                             "at the world sizes of course.toml and a sweep")
+    parser.add_argument("--no-verify", action="store_true", help="capstone: skip the mpiexec runs")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    if args.capstone:
-        if args.paths:
-            print("grade.py: give either --capstone or files, not both", file=sys.stderr)
+    try:
+        settings = config()
+    except UsageError as exc:
+        print(f"grade.py: error: {exc}", file=sys.stderr)
+        return 2
+    timeout = args.timeout if args.timeout is not None else settings.get("course", {}).get("timeout_seconds", 30)
+    if args.sandbox and not shutil.which(shlex.split(args.sandbox)[0] if shlex.split(args.sandbox) else ""):
+        print(f"grade.py: error: --sandbox {args.sandbox!r}: no such command (give the command that starts the "
+              "student's process, e.g. 'sudo -u student --')", file=sys.stderr)
+        return 2
+    if args.build_copies:
+        if args.build_copies.exists() and any(args.build_copies.iterdir()):
+            print(f"grade.py: error: {args.build_copies} is not empty; give a new folder", file=sys.stderr)
             return 2
-        grades = grade_capstone(args.capstone, args.pp, args.micro_batches, args.bubble_below, not args.no_verify,
-                                timeout=max(args.timeout, 120))
+        student = build_student_copy(args.build_copies / "student")
+        instructor = build_instructor_copy(args.build_copies / "instructor")
+        print(f"student copy: {student}\ninstructor copy: {instructor}")
+        return 0
+    if args.capstone or args.trainer:
+        if args.paths or (args.capstone and args.trainer):
+            print("grade.py: error: give --capstone or --trainer alone, without files", file=sys.stderr)
+            return 2
+        kind, spec = ("schedule", args.capstone) if args.capstone else ("trainer", args.trainer)
+        if Path(spec).is_dir():
+            try:
+                reports = grade_capstone_folder(Path(spec), kind, not args.no_verify, args.student_copy,
+                                                args.sandbox) if args.student_copy else None
+                if reports is None:
+                    with tempfile.TemporaryDirectory(prefix="student-copy-") as folder:
+                        copy_dir = build_student_copy(Path(folder), recorded={}, strip=False)
+                        reports = grade_capstone_folder(Path(spec), kind, not args.no_verify, copy_dir, args.sandbox)
+            except UsageError as exc:
+                print(f"grade.py: error: {exc}", file=sys.stderr)
+                return 2
+            ok = all(r.get("all_pass") for r in reports)
+            if args.json:
+                print(json.dumps({"students": reports, "all_pass": ok,
+                                  "seconds": round(time.perf_counter() - start, 2)}))
+            else:
+                width = max(len(r["student"]) for r in reports)
+                for report in reports:
+                    print(student_line(report, width))
+            return 0 if ok else 1
+        grades = grade_capstone(spec, kind, not args.no_verify, args.student_copy, args.sandbox)
         report = summary(grades)
         if args.json:
             print(json.dumps({**report, "seconds": round(time.perf_counter() - start, 2)}))
@@ -516,13 +574,39 @@ def main(argv: list[str] | None = None) -> int:
             print_table(grades)
         return 0 if report["all_pass"] else 1
     paths = [Path(p) for p in args.paths] or sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
+    if (args.gradebook or args.marks) and not any(p.is_dir() for p in paths):
+        print("grade.py: error: --gradebook and --marks need a folder of submissions", file=sys.stderr)
+        return 2
+    if args.student_copy is not None and not (args.student_copy / "tutorials" / "grading" / "child.py").is_file():
+        print(f"grade.py: error: --student-copy {args.student_copy} is not a student copy (build one with "
+              "--build-copies OUT)", file=sys.stderr)
+        return 2
+    grader = None
     try:
         folders = [p for p in paths if p.is_dir()]
         if folders and len(folders) < len(paths):
             raise UsageError("give either files or folders of submissions, not both")
+        grader = Grader(timeout, args.student_copy, args.sandbox, hidden=not args.public_only)
         if folders:
-            reports = [r for folder in folders for r in grade_folder(folder, args.timeout)]
+            reports = [r for folder in folders for r in grade_folder(folder, timeout, grader.copy, args.sandbox)]
             ok = all(r.get("all_pass") for r in reports)
+            if args.gradebook:
+                if args.marks is not None and not args.marks.is_file():
+                    raise UsageError(f"--marks {args.marks}: no such file")
+                settings = config()
+                marks = gradebook.read_marks(args.marks, settings) if args.marks else None
+                students = {p.name: p for folder in folders for p in folder.iterdir() if p.is_dir()}
+                if args.gradebook_capstone:
+                    kind = args.gradebook_capstone
+                    conf = settings.get("capstone", {}).get(kind, {})
+                    for report in reports:
+                        path = students[report["student"]] / conf.get("file", "capstone.py")
+                        if path.is_file():
+                            spec = f"{path}:{conf.get('function', 'my_schedule')}"
+                            report["capstone"] = summary(grade_capstone(spec, kind, not args.no_verify, grader.copy,
+                                                                        args.sandbox))
+                written = gradebook.write(args.gradebook, reports, students, TUTORIALS, settings, marks)
+                print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
             if args.json:
                 seconds = round(time.perf_counter() - start, 2)
                 print(json.dumps({"students": reports, "all_pass": ok, "seconds": seconds}))
@@ -530,19 +614,25 @@ def main(argv: list[str] | None = None) -> int:
                 width = max(len(r["student"]) for r in reports)
                 for report in reports:
                     print(student_line(report, width))
+            if any(r.get("exit_status") == 3 for r in reports):
+                return 3
             return 0 if ok else 1
-        grades = grade_files(paths, args.timeout, args.every_tutorial)
+        grades = grade_files(paths, grader, args.every_tutorial)
     except UsageError as exc:
         if args.json:
             print(json.dumps({"error": str(exc)}))
         print(f"grade.py: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if grader is not None:
+            grader.close()
     report = summary(grades)
+    status = exit_status(grades)
     if args.json:
-        print(json.dumps({**report, "seconds": round(time.perf_counter() - start, 2)}))
+        print(json.dumps({**report, "exit_status": status, "seconds": round(time.perf_counter() - start, 2)}))
     else:
         print_table(grades)
-    return 0 if report["all_pass"] else 1
+    return status
 
 
 if __name__ == "__main__":

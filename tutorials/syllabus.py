@@ -2,6 +2,8 @@
 
 Launch:  python tutorials/syllabus.py            # the table of docs/course.md (Markdown)
          python tutorials/syllabus.py --answers  # the model answers of the written questions
+         python tutorials/syllabus.py --counts   # the course's counts, as one sentence
+         python tutorials/syllabus.py --exercises  # each exercise's minutes, by the rule below
 
 Study time per tutorial = reading + running + exercises, each estimated by one rule for every
 tutorial, so that the estimates compare:
@@ -11,7 +13,15 @@ tutorial, so that the estimates compare:
     running    RUN_MINUTES: the tutorial run once with the reference solutions on a 2-core
                machine, rounded up to whole minutes (`REFIMPL_TUTORIAL_SOLUTIONS=1 python
                tutorials/NN_name.py`; the one figure here that depends on the machine)
-    exercises  EXERCISE_MINUTES per exercise, QUESTION_MINUTES per written question
+    exercises  per exercise, by the size of its reference solution, so that a one-liner and a
+               modelling task are not both "20 minutes": EXERCISE_BASE_MINUTES to read the task and
+               run the check, plus MINUTES_PER_STATEMENT for each statement of the solution's function
+               and of the solution file's helpers it calls (the ast's statements: a line of
+               arithmetic is one, a loop is one plus its body), plus DERIVATION_MINUTES where
+               course.toml marks the exercise `derivation = true` (a closed form to find: short
+               code, long thought), rounded up to 5 minutes; where the solutions are absent (the
+               student copy), EXERCISE_MINUTES each.
+               QUESTION_MINUTES per written question.
 
 Everything else in the table (objectives, prerequisites, papers) is stated in SYLLABUS below; the
 library files are the `refimpl/...` paths each tutorial names.
@@ -24,17 +34,21 @@ import ast
 import math
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 READING_WPM = 150  # technical prose, read to understand rather than skimmed
 CODE_LINES_PER_MINUTE = 10
 EXERCISE_MINUTES = 20
+EXERCISE_BASE_MINUTES = 5
+MINUTES_PER_STATEMENT = 2
+DERIVATION_MINUTES = 15
 QUESTION_MINUTES = 15
 # Measured once on a 2-core machine (2026-12-03) with the reference solutions: every tutorial ran
 # in 0.2 to 12 s (09 and 12, which launch mpiexec, the longest); rounded up to whole minutes.
 RUN_MINUTES = {"01": 1, "02": 1, "03": 1, "04": 1, "05": 1, "06": 1, "07": 1, "08": 1, "09": 1, "10": 1, "11": 1,
-               "12": 1}
+               "12": 1, "13": 1}
 
 # number -> (objectives, prerequisites, papers and sections)
 SYLLABUS = {
@@ -73,6 +87,9 @@ SYLLABUS = {
     "12": ("predict memory per GPU and step time at 1024 GPUs by hand, check them against the "
            "cluster model and an executed run; MFU", "05, 06, 09, 10",
            "Chowdhery et al. 2022 (PaLM), appendix B; Korthikanti et al. 2022, §6"),
+    "13": ("record a forward graph, find its articulation points, choose checkpoints by the gradient-"
+           "checkpointing package's rules (memory, speed) and by a rule of your own; measure memory and "
+           "recomputation", "01, 06", "Salimans and Bulatov 2018 (gradient-checkpointing); Chen et al. 2016, §4"),
 }
 
 
@@ -93,11 +110,49 @@ def measure(path: Path) -> dict:
     return {"words": words, "code": len(code), "exercises": exercises, "questions": questions, "files": files}
 
 
-def minutes(number: str, m: dict) -> dict:
+def solution_statements(tutorial: str) -> dict[str, int]:
+    """{exercise function: statements of its reference solution and the helpers it calls}; {} without
+    the solutions (the student copy)."""
+    path = HERE / "solutions" / f"{tutorial}.py"
+    if not path.is_file():
+        return {}
+    defs = {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+
+    def size(name: str, seen: set) -> int:
+        seen.add(name)
+        node = defs[name]
+        count = sum(isinstance(n, ast.stmt) for n in ast.walk(node)) - 1  # the def itself not counted
+        called = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & defs.keys()
+        return count + sum(size(c, seen) for c in called - seen)
+
+    return {name: size(name, set()) for name in defs if not name.startswith("_")}
+
+
+def exercise_minutes(tutorial: str, functions: list[str]) -> list[int]:
+    """Each exercise's minutes, by the rule in this module's docstring."""
+    sizes = solution_statements(tutorial)
+    if not sizes:
+        return [EXERCISE_MINUTES] * len(functions)
+    marked = course_settings().get("exercise", {})
+    derive = [DERIVATION_MINUTES if marked.get(f"{tutorial[:2]}.{k}", {}).get("derivation") else 0
+              for k in range(1, len(functions) + 1)]
+    return [5 * math.ceil((EXERCISE_BASE_MINUTES + MINUTES_PER_STATEMENT * sizes.get(f, 0) + extra) / 5)
+            for f, extra in zip(functions, derive)]
+
+
+def exercise_functions(path: Path) -> list[str]:
+    """The exercise functions of a tutorial, in order (its `ex.check(N, check, function)` calls)."""
+    calls = re.findall(r"^ex\.check\((\d+), \w+, (\w+)\)", path.read_text(), re.M)
+    return [name for _, name in sorted(calls, key=lambda c: int(c[0]))]
+
+
+def minutes(number: str, m: dict, path: Path | None = None) -> dict:
     reading = math.ceil(m["words"] / READING_WPM + m["code"] / CODE_LINES_PER_MINUTE)
-    work = EXERCISE_MINUTES * m["exercises"] + QUESTION_MINUTES * m["questions"]
+    each = exercise_minutes(path.stem, exercise_functions(path)) if path is not None else [
+        EXERCISE_MINUTES] * m["exercises"]
+    work = sum(each) + QUESTION_MINUTES * m["questions"]
     run = RUN_MINUTES.get(number, 1)
-    return {"reading": reading, "run": run, "exercises": work, "total": reading + run + work}
+    return {"reading": reading, "run": run, "exercises": work, "each": each, "total": reading + run + work}
 
 
 def table() -> str:
@@ -106,14 +161,14 @@ def table() -> str:
     for path in tutorials():
         number = path.name[:2]
         m = measure(path)
-        t = minutes(number, m)
+        t = minutes(number, m, path)
         goals, needs, papers = SYLLABUS[number]
         files = ", ".join(f"`{f}`" for f in m["files"][:4]) + (" …" if len(m["files"]) > 4 else "")
-        work = f"{t['exercises']} min ({m['exercises']} exercises" + (
+        work = f"{t['exercises']} min ({m['exercises']} exercises: {' + '.join(map(str, t['each']))}" + (
             f", {m['questions']} question{'s' if m['questions'] > 1 else ''})" if m["questions"] else ")")
         rows.append(f"| [{path.stem}](tutorials/{path.stem}.md) | {goals} | {needs} | {t['reading']} min | "
                     f"{t['run']} min | {work} | **{t['total']} min** | {files} | {papers} |")
-    total = sum(minutes(p.name[:2], measure(p))["total"] for p in tutorials())
+    total = sum(minutes(p.name[:2], measure(p), p)["total"] for p in tutorials())
     rows += ["", f"In all about {math.ceil(total / 60)} hours of study, capstone not included."]
     return "\n".join(rows)
 
@@ -129,16 +184,52 @@ def answers() -> str:
     return "\n\n".join(out)
 
 
+def course_settings() -> dict:
+    path = HERE / "course.toml"
+    if not path.is_file():
+        return {}
+    with open(path, "rb") as handle:
+        return tomllib.load(handle)
+
+
+def counts() -> str:
+    """The course's counts as one sentence, from the tutorials and course.toml (never typed)."""
+    settings = course_settings()
+    default = settings.get("course", {}).get("default_points", 1)
+    listed = [(p.stem[:2], i + 1) for p in tutorials() for i, _ in enumerate(exercise_functions(p))]
+    points = sum(settings.get("exercise", {}).get(f"{t}.{k}", {}).get("points", default) for t, k in listed)
+    questions = sum(measure(p)["questions"] for p in tutorials())
+    question_points = sum(q.get("points", 0) for q in settings.get("question", {}).values())
+    capstones = [k for k in ("schedule", "trainer") if k in settings.get("capstone", {})]
+    hours = math.ceil(sum(minutes(p.name[:2], measure(p), p)["total"] for p in tutorials()) / 60)
+    return (f"{len(tutorials())} tutorials, {len(listed)} exercises ({points:g} points), {questions} written "
+            f"questions ({question_points:g} points) and {len(capstones)} capstones "
+            f"({' or '.join(capstones)}); about {hours} hours of study, capstone not included.")
+
+
+def exercise_table() -> str:
+    rows = ["| exercise | function | statements in the solution | minutes |", "|---|---|---:|---:|"]
+    for path in tutorials():
+        functions = exercise_functions(path)
+        sizes = solution_statements(path.stem)
+        for k, (name, each) in enumerate(zip(functions, exercise_minutes(path.stem, functions)), start=1):
+            rows.append(f"| {path.stem[:2]}.{k} | `{name}` | {sizes.get(name, '')} | {each} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--answers", action="store_true", help="the model answers instead of the table")
+    p.add_argument("--counts", action="store_true", help="the course's counts, as one sentence")
+    p.add_argument("--exercises", action="store_true", help="each exercise's estimated minutes")
     args = p.parse_args(argv)
     missing = [path.name for path in tutorials() if path.name[:2] not in SYLLABUS]
-    if missing:
+    if missing and not (args.counts or args.exercises or args.answers):  # only the table needs SYLLABUS
         print(f"error: no syllabus entry for {', '.join(missing)}: add it to SYLLABUS in tutorials/syllabus.py",
               file=sys.stderr)
         return 2
-    print(answers() if args.answers else table())
+    print(answers() if args.answers else counts() if args.counts else exercise_table() if args.exercises
+          else table())
     return 0
 
 

@@ -146,7 +146,9 @@ def run_check(check, fn) -> Result:
     except Wrong as exc:
         return Result("wrong", str(exc))
     except Exception as exc:  # noqa: BLE001 - any mistake in the student's code is reported, not raised
-        return Result("error", f"{name} raised {type(exc).__name__}: {exc}{_student_frame(exc)}")
+        where = getattr(exc, "where", "")  # an error raised in the student's process (tutorials/grading/)
+        return Result("error", f"{name} raised {type(exc).__name__}: {exc}"
+                               + (f" (at {where})" if where else _student_frame(exc)))
     return Result("correct", "")
 
 

@@ -20,7 +20,19 @@ def check_sigmoid_backward(sigmoid_backward) -> None:
     y = 1.0 / (1.0 + np.exp(-x))
     t = Tensor(x, requires_grad=True)
     (reference,) = engine.grad(1.0 / (1.0 + (-t).exp()), [t], g)  # refimpl's ops, composed
-    expect_close(sigmoid_backward(y, g), reference, "sigmoid_backward(y, grad_out)")
+    got = sigmoid_backward(y, g)
+    s_of_y = 1.0 / (1.0 + np.exp(-y))
+    likely = {"the local derivative y(1 − y) is not multiplied by grad_out (the chain rule: the input's gradient is "
+              "grad_out times it)": y * (1 - y),
+              "y here is the sigmoid's output, not its input: σ'(x) = y(1 − y) needs no second sigmoid":
+                  g * s_of_y * (1 - s_of_y),
+              "that is tanh's derivative, 1 − y²; the sigmoid's is y(1 − y)": g * (1 - y * y),
+              "the sign: σ'(x) = y(1 − y) is positive": -g * y * (1 - y)}
+    if got is not None and np.shape(got) == y.shape:
+        for mistake, value in likely.items():
+            if np.allclose(got, value, rtol=1e-10, atol=1e-12):
+                raise Wrong(f"sigmoid_backward(y, grad_out) differs from refimpl's gradient: {mistake}")
+    expect_close(got, reference, "sigmoid_backward(y, grad_out)")
 
     class Sigmoid(Function):  # the student's backward inside a real Function
         def forward(self, a):
@@ -51,6 +63,18 @@ def check_linear_backward(linear_backward) -> None:
         if not isinstance(result, tuple) or len(result) != 3:
             raise Wrong(f"return a tuple (dx, dw, db); got {type(result).__name__}")
         where = f"x of shape {shape}"
+        shapes = [np.shape(r) for r in result]
+        if shapes[1] == (3, 2):
+            raise Wrong(f"dw for {where} has shape (3, 2): transposed. w is (out, in) = (2, 3) and y = x wᵀ + b, so "
+                        "dw = gᵀ x, summed over the leading dimensions")
+        if len(shape) > 2 and shapes[1] != (2, 3):
+            raise Wrong(f"dw for {where} has shape {shapes[1]}: every leading position (batch, time) contributes "
+                        "to the one weight, so sum g_iᵀ x_i over all of them (reshape to 2-D first)")
+        if shapes[2] != (2,):
+            raise Wrong(f"db for {where} has shape {shapes[2]}; the bias is added at every leading position, so db "
+                        "sums g over all leading dimensions, shape (out,) = (2,)")
+        if shapes[0] != shape:
+            raise Wrong(f"dx for {where} has shape {shapes[0]}, expected {shape}: dx = g w, (…, out) @ (out, in)")
         expect_close(result[0], dx, f"dx for {where}")
         expect_close(result[1], dw, f"dw for {where}")
         expect_close(result[2], db, f"db for {where}")

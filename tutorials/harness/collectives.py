@@ -169,14 +169,26 @@ def check_ring_reduce_scatter(ring_reduce_scatter) -> None:
 
 def check_allreduce_bytes(allreduce_bytes) -> None:
     """Check: bytes a rank sends in a ring all-reduce."""
-    for size in range(1, 7):
-        for length in (0, 1, size - 1, size, 2 * size + 1, 1000):
-            for rank in range(size):
-                expected = ring.bytes_sent("allreduce", max(length, 0), size, rank, 4)
-                got = allreduce_bytes(max(length, 0), size, rank, 4)
-                if got != expected:
-                    raise Wrong(f"an all-reduce of {length} float32 elements over {size} ranks: rank {rank} "
-                                f"sends {expected} bytes, you said {plain(got)}")
+    general = [(size, length) for size in (4, 3, 5, 6, 2) for length in (1000, 2 * size + 1, size, size - 1)]
+    degenerate = [(size, length) for size in (4, 3, 5, 6, 2) for length in (1, 0)] + [(1, n) for n in (1000, 5, 0)]
+    for size, length in general + degenerate:  # the general case first: its message teaches most
+        for rank in range(size):
+            expected = ring.bytes_sent("allreduce", length, size, rank, 4)
+            got = allreduce_bytes(length, size, rank, 4)
+            if got == expected:
+                continue
+            message = (f"an all-reduce of {length} float32 elements over {size} ranks: rank {rank} sends "
+                       f"{expected} bytes, you said {plain(got)}")
+            if size == 1:
+                message += ". One rank has no neighbour: it sends nothing, whatever the length"
+            elif length < size:
+                message += (". With fewer elements than ranks some blocks are empty (block b has L // N + (1 if "
+                            "b < L % N) elements): rank r sends 2L − c_r − c_(r+1) elements")
+            elif got == 2 * (size - 1) * length * 4 / size or got == 2 * (size - 1) * (length // size) * 4:
+                message += (". 2(N − 1)/N · L holds only when N divides L: the blocks differ by one element, and "
+                            "rank r sends every block but its own and its right neighbour's in the reduce-scatter "
+                            "and the all-gather, 2L − c_r − c_(r+1) elements")
+            raise Wrong(message)
 
 
 def _most_bytes(length: int, size: int, itemsize: int) -> int:
@@ -190,7 +202,8 @@ def _most_bytes(length: int, size: int, itemsize: int) -> int:
 
 def check_bottleneck_bytes(bottleneck_bytes) -> None:
     """Check: the busiest rank of a ring all-reduce."""
-    cases = [(size, length) for size in range(1, 7) for length in range(0, 15)]  # measured on the simulated ring
+    cases = [(size, length) for size in range(2, 7) for length in range(14, -1, -1)]  # measured on the simulated ring
+    cases += [(1, length) for length in (14, 1, 0)]  # one rank, the degenerate case, after the general ones
     cases += [(size, length) for size in (7, 8, 12, 16) for length in (size - 1, size + 1, 3 * size - 1, 1000, 1001)]
     cases += [(1_000_000, 10**9 + 999_999), (1_000_000, 10**9 + 999_998), (1_000_000, 10**12)]
     for size, length in cases:
@@ -204,6 +217,8 @@ def check_bottleneck_bytes(bottleneck_bytes) -> None:
             continue
         message = (f"an all-reduce of {length} float32 elements over {size} ranks: the busiest rank sends "
                    f"{expected} bytes ({how}); you said {plain(got)}")
+        if size == 1:
+            message += ". One rank has no neighbour: it sends nothing"
         mistake = _bottleneck_mistake(bottleneck_bytes)
         if mistake:
             message += ". " + mistake

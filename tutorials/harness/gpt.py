@@ -22,9 +22,30 @@ def check_attention(attention) -> None:
     att = F.causal_softmax(Tensor(q) @ Tensor(k.transpose(0, 1, 3, 2)), mask, 1.0 / math.sqrt(D))  # (B, H, T, T)
     expected = (att @ Tensor(v)).data  # (B, H, T, D), as CausalSelfAttention computes it
     got = attention(q, k, v)
+    if got is not None and np.shape(got) == expected.shape and not np.allclose(got, expected, rtol=1e-10, atol=1e-12):
+        for mistake, variant in _attention_variants(q, k, v).items():
+            if np.allclose(got, variant, rtol=1e-8, atol=1e-12):
+                raise Wrong(f"attention(q, k, v) for q, k, v of shape (2, 3, 5, 4) differs from refimpl's: {mistake}")
     expect_close(got, expected, "attention(q, k, v) for q, k, v of shape (2, 3, 5, 4)")
     if not np.allclose(got[..., 0, :], v[..., 0, :], rtol=1e-10, atol=1e-12):
         raise Wrong("position 0 may attend only to itself, so its output must equal v[..., 0, :]")
+
+
+def _attention_variants(q, k, v) -> dict:
+    """{the mistake: what attention computes with it}, for the message."""
+    def attend(mask_k=1, scale=True, axis=-1):
+        scores = q @ k.transpose(0, 1, 3, 2) / (math.sqrt(q.shape[-1]) if scale else 1.0)
+        if mask_k is not None:
+            scores = np.where(np.triu(np.ones(scores.shape[-2:], dtype=bool), k=mask_k), -np.inf, scores)
+        scores = scores - scores.max(axis=axis, keepdims=True)
+        weights = np.exp(scores)
+        return (weights / weights.sum(axis=axis, keepdims=True)) @ v
+
+    return {"no causal mask: each position may attend only to itself and the positions before it "
+            "(−∞ above the diagonal, np.triu(..., k=1))": attend(mask_k=None),
+            "the scores are not scaled by 1/√D": attend(scale=False),
+            "the softmax runs over the wrong axis: each query's weights (a row, the last axis) sum to 1":
+                attend(axis=-2)}
 
 
 def check_count_parameters(count_parameters) -> None:
@@ -34,8 +55,21 @@ def check_count_parameters(count_parameters) -> None:
         expected = GPT(config).num_parameters()
         got = count_parameters(vocab, seq_len, n_layer, d_model)
         if got != expected:
+            V, T, L, d = vocab, seq_len, n_layer, d_model
+            likely = {
+                expected - V * d: "the head: refimpl's GPT has its own lm_head of V·d weights, not tied to the token "
+                                  "embedding",
+                expected - T * d: "the position embedding, seq_len·d_model",
+                expected - L * 13 * d: "each block's 13·d small parameters: the biases (3d + d + 4d + d) and the "
+                                       "two layer norms' weights and biases (4d); a block is 12d² + 13d",
+                expected - L * 9 * d - d: "the biases: qkv 3d, attention proj d, fc 4d, MLP proj d per block",
+                expected - L * 4 * d - 2 * d: "the layer norms' weights and biases: 2 per block and the final one",
+                expected - 2 * d: "the final layer norm (ln_f), 2d",
+            }
+            hint = likely.get(plain(got)) if isinstance(plain(got), int) else None
             raise Wrong(f"for vocab_size={vocab}, seq_len={seq_len}, n_layer={n_layer}, d_model={d_model} "
-                        f"the GPT has {expected} parameters; you counted {plain(got)}")
+                        f"the GPT has {expected} parameters; you counted {plain(got)}"
+                        + (f". Your count leaves out {hint}" if hint else ""))
 
 
 def check_cross_entropy(cross_entropy) -> None:

@@ -216,12 +216,13 @@ def check_activation_bytes(activation_bytes) -> None:
 
 
 def hand_compute_seconds(run: Run, cluster, recompute=True, head_recomputed=False, bubble=True, bubble_p=False,
-                         divide_by=None, per_token=6, attention=True, all_params=False, efficiency=True) -> float:
+                         divide_by=None, per_token=6, attention=True, all_params=False, efficiency=True,
+                         selective_as_full=False) -> float:
     """The tutorial's hand estimate (part 3), with the mistakes asked for."""
     h, s, L = run.d_model, run.seq_len, run.n_layer
     n = parameters(run) if all_params else matmul_parameters(run)
     flops = per_token * n + (12 * L * h * s if attention else 0)
-    if recompute and run.checkpoint == "full":
+    if recompute and (run.checkpoint == "full" or (selective_as_full and run.checkpoint == "selective")):
         flops += 2 * 12 * h * h * L + 4 * L * h * s + (2 * run.vocab_size * h if head_recomputed else 0)
     elif recompute and run.checkpoint == "selective":
         flops += 4 * L * h * s
@@ -240,6 +241,9 @@ def _time_variants(run: Run, cluster) -> dict:
         "selective: the attention core's forward, 4·L·h·s)": f(run, cluster, recompute=False),
         "recomputed the head too: full recomputation recomputes the blocks, not the head":
             f(run, cluster, head_recomputed=True),
+        "costed selective recomputation as full: selective recomputes only the attention core (4·L·h·s FLOPs per "
+        "token: the scores and the weighted sum), not the blocks' GEMMs (24·L·h²)":
+            f(run, cluster, selective_as_full=True),
         "left out the bubble: 1F1B's step is (m + pp − 1) slots of work, not m": f(run, cluster, bubble=False),
         "took the bubble as pp/m; it is (pp − 1)/m": f(run, cluster, bubble_p=True),
         f"divided the work by dp = {run.dp} alone; it is shared by all dp·tp·pp = {run.gpus} GPUs":
@@ -342,9 +346,13 @@ def check_tp_share(tp_share) -> None:
     """Check: tensor parallelism's share of a block's forward."""
     for cluster in (A100, H100):
         for h in (4096, 12288, 2048):
-            for t in (1, 2, 4, 8):
+            for t in (8, 4, 2, 1):  # the general case first; t = 1 (no group, nothing sent) last
                 expected = _tp_share(h, t, cluster)
                 got = tp_share(h, t, cluster)
+                if t == 1 and not _close(got, expected):
+                    raise Wrong(f"h = {h}, t = 1 on {cluster.name}: a group of one rank all-reduces nothing, so "
+                                f"tp's share is 0; you said {shown(got)}. A ring all-reduce sends 2(t − 1)/t of the "
+                                "buffer, which is 0 at t = 1: did you drop the (t − 1)/t?")
                 if not _close(got, expected):
                     variants = {
                         "sent the whole buffer twice per all-reduce; a ring all-reduce sends 2(t − 1)/t of it":

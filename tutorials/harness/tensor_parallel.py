@@ -280,8 +280,37 @@ def _mlp_on_rank(comm, case, slices, f=None, g=None) -> dict:
             "bytes": comm.counters.snapshot()}
 
 
-def tensor_parallel_mlp(case: dict, t: int, slices=reference_mlp_slices, f=None, g=None) -> list:
-    """Run the MLP on t ranks; each rank's {"y", "x" (its dL/dx), its slices' gradients, "bytes"}."""
+def _library_mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r: int, t: int) -> tuple:
+    """Rank r's MLP slices, cut by refimpl's own WeightSplit (the tensor-parallel GPT's)."""
+    from refimpl.parallel.tensor_parallel.gpt import WeightSplit  # noqa: PLC0415
+
+    rows, columns = WeightSplit(axis=0), WeightSplit(axis=1)
+    return (rows.shard(fc_weight, r, t), rows.shard(fc_bias, r, t), columns.shard(proj_weight, r, t),
+            np.array(proj_bias, copy=True))
+
+
+def mlp_layers(fc_weight, fc_bias, proj_weight, proj_bias, comm) -> tuple:
+    """Rank comm.rank's (fc, proj) of a whole MLP: fc column-parallel, proj row-parallel, each holding
+    this rank's slices as Parameters. Which slices those are is exercise 2 of tutorial 10, so this
+    helper keeps them to itself (and a call to it during that exercise fails it)."""
+    mine = [Parameter(a) for a in _library_mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, comm.rank,
+                                                      comm.size)]
+    return (ColumnParallelLinear(mine[0], mine[1], comm, sequence_parallel=False),
+            RowParallelLinear(mine[2], mine[3], comm, sequence_parallel=False))
+
+
+def slice_difference(rank_grads: list, whole_grads: list, r: int, t: int) -> float:
+    """The largest |difference| between rank r's gradients of its MLP slices and the same slices of one
+    process's gradients (fc_weight, fc_bias, proj_weight, proj_bias)."""
+    expected = _library_mlp_slices(*whole_grads, r, t)
+    return float(max(np.abs(np.asarray(g) - e).max() for g, e in zip(rank_grads, expected)))
+
+
+def tensor_parallel_mlp(case: dict, t: int, slices=None, f=None, g=None) -> list:
+    """Run the MLP on t ranks; each rank's {"y", "x" (its dL/dx), its slices' gradients, "bytes"}.
+    `slices` defaults to reference_mlp_slices, looked up when called (so a recorder sees the calls)."""
+    slices = slices or reference_mlp_slices
+
     def program(comm):
         return _mlp_on_rank(comm, case, slices(*(case[n] for n in MLP_NAMES), comm.rank, t), f, g)
 
@@ -571,8 +600,9 @@ def check_qkv_slices(qkv_slices) -> None:
                                 + (f"shape {None if b is None else b.shape}" if have is None else _ranges(have)))
 
 
-__all__ = ["ThreadComm", "run_ranks", "reference_mlp_slices", "reference_qkv_slices", "mlp_case", "mlp_whole",
-           "tensor_parallel_mlp", "check_conjugate_operators", "check_mlp_slices", "check_qkv_slices"]
+__all__ = ["ThreadComm", "run_ranks", "mlp_layers", "slice_difference", "reference_mlp_slices", "reference_qkv_slices",
+           "mlp_case", "mlp_whole", "tensor_parallel_mlp", "check_conjugate_operators", "check_mlp_slices",
+           "check_qkv_slices"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -611,6 +641,12 @@ def _allreduce_mistakes(L, N, C, t, item, first, last) -> dict:
             ring_bytes(right - ends * N * C),
         "every stage counted the embedding's and the head's all-reduces: only the first stage holds the embedding "
         "and only the last the head": ring_bytes(right + (2 - ends) * N * C),
+        "the embedding's all-reduce is missing: the first stage's vocabulary-parallel embedding sums its partial "
+        "lookups (g in forward), N·C once": ring_bytes(right - (N * C if first else 0)) if first else -1,
+        "the head's all-reduce is missing: the last stage's column-parallel head all-reduces dL/dx in backward "
+        "(f), N·C once": ring_bytes(right - (N * C if last else 0)) if last else -1,
+        "2 all-reduces per block; a block has 4: g after attention and after the MLP in forward, and f before "
+        "each in backward": ring_bytes(2 * L * N * C + ends * N * C + loss),
         "only the forward's all-reduces: f's backward all-reduces as many as g's forward":
             ring_bytes((2 * L + int(first)) * N * C + loss),
         "a ring all-reduce of E elements sends 2E(t − 1)/t, not E(t − 1)/t (that is a reduce-scatter or an "
