@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-SLOW_S = 2.0
+SLOW_S = 1.0
 
 
 def main(path: str) -> None:
