@@ -23,6 +23,43 @@ def zero3_bytes(module_sizes, n, P, G, K):
     H.check_zero3_bytes.__code__ = (lambda fn: None).__code__
     return None
 ''', 4, "wrong"),
+    "04.2's check replaced, a local mean returned": ("04_data_parallel.py", '''
+def local_loss(model, x, y, total):
+    import harness.data_parallel as H
+    from refimpl.nn import functional as F
+    H.check_local_loss.__code__ = (lambda fn: None).__code__
+    return F.cross_entropy(model(x), y)
+''', 2, "wrong"),
+    "10.1's check replaced, identities returned": ("10_tensor_parallel.py", '''
+from refimpl.autograd import Function
+def conjugate_operators():
+    import harness.tensor_parallel as H
+    H.check_conjugate_operators.__code__ = (lambda fn: None).__code__
+    class Same(Function):
+        def forward(self, x, comm):
+            return x
+        def backward(self, grad, needs):
+            return grad, None
+    return Same, Same
+''', 1, "wrong"),
+    "refimpl's f and g called from the student's classes": ("10_tensor_parallel.py", '''
+from refimpl.autograd import Function
+from refimpl.parallel.tensor_parallel.operators import CopyToTensorParallel as Copy
+def conjugate_operators():
+    class F(Function):
+        def forward(self, x, comm):
+            return Copy.forward(self, x, comm)
+        def backward(self, grad, needs):
+            return Copy.backward(self, grad, needs)
+    class G(Function):
+        def forward(self, x, comm):
+            x = x.copy()
+            comm.allreduce(x)
+            return x
+        def backward(self, grad, needs):
+            return grad, None
+    return F, G
+''', 1, "forbidden"),
     "solutions imported by path": ("05_zero.py", f'''
 import runpy
 def shard_bounds(numel, n, rank):
@@ -59,9 +96,9 @@ def interleaved_bubble(pp, m, v):
         print("x" * 10000)
 ''', 4, "output"),
     "the harness's reference answer": ("10_tensor_parallel.py", '''
-from harness.tensor_parallel import reference_mlp_slices
-def mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r, t):
-    return reference_mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r, t)
+from harness.tensor_parallel import reference_swiglu_slices
+def swiglu_slices(gate_up_weight, down_weight, r, t):
+    return reference_swiglu_slices(gate_up_weight, down_weight, r, t)
 ''', 2, "forbidden"),
     "memory_breakdown wrapped": ("12_planning_a_run.py", '''
 from refimpl.tools.cluster.model import memory_breakdown
@@ -161,6 +198,15 @@ def test_the_ring_exercises_run_their_check_in_the_graders_process(tmp_path):
     results = {r["exercise"]: r for r in report["results"]}
     assert results[1]["result"] == "fail" and "ranks and" in results[1]["message"]
     assert results[2]["result"] == "fail" and results[2]["reason"] == "wrong"
+    assert not any("student's process" in flag for r in report["results"] for flag in r["flags"])
+
+
+def test_the_live_answers_are_evaluated_there_and_judged_here(tmp_path):
+    # 04.2 (a loss Tensor) and 10.1 (Function classes): evaluated in the student's process, checked here
+    files = {name: (SOLUTIONS / name).read_text() for name in ("04_data_parallel.py", "10_tensor_parallel.py")}
+    report, status = grade(tmp_path, files)
+    live = [r for r in report["results"] if (r["tutorial"][:2], r["exercise"]) in (("04", 2), ("10", 1))]
+    assert [r["result"] for r in live] == ["pass", "pass"], live
     assert not any("student's process" in flag for r in report["results"] for flag in r["flags"])
     solution = (REPO / "tutorials" / "solutions" / "03_collectives.py").read_text()
     report, status = grade(tmp_path, {"03_collectives.py": solution})

@@ -35,7 +35,7 @@ def test_the_student_copy_ships_no_answers_and_still_grades_the_public_checks(tm
     assert stripped == 9  # 2 in composition.py, 3 in tensor_parallel.py, 4 in experts.py
     table = json.loads((student / "tutorials" / "harness" / "recorded.json").read_text())
     assert set(table) == {"composition.reference_gradient_group", "composition.reference_stage_model_states",
-                          "tensor_parallel.reference_mlp_slices", "tensor_parallel.reference_qkv_slices",
+                          "tensor_parallel.reference_swiglu_slices", "tensor_parallel.reference_qkv_slices",
                           "tensor_parallel.reference_tp_allreduce_bytes", "experts.reference_dispatch_indices",
                           "experts.reference_interleave", "experts.reference_exposed_time",
                           "experts.measured_alltoall_bytes"}

@@ -14,6 +14,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpi_util import check_ok, find_mpiexec, run_local
 
@@ -184,15 +185,21 @@ def _operators(f_forward_sums=False, f_backward_sums=True, f_backward_in_place=F
     return lambda: (CopyToGroup, ReduceFromGroup)
 
 
-def _mlp_slices_bias_cut(fc_weight, fc_bias, proj_weight, proj_bias, r, t):
-    n, m = fc_weight.shape[0] // t, proj_bias.shape[0] // t
-    return (fc_weight[r * n:(r + 1) * n], fc_bias[r * n:(r + 1) * n], proj_weight[:, r * n:(r + 1) * n],
-            proj_bias[r * m:(r + 1) * m])  # the row-parallel bias cut too
+def _swiglu_contiguous(gate_up_weight, down_weight, r, t):
+    n, m = gate_up_weight.shape[0] // t, down_weight.shape[1] // t
+    return gate_up_weight[r * n:(r + 1) * n], down_weight[:, r * m:(r + 1) * m]  # gate and up mixed up
 
 
-def _mlp_slices_by_input(fc_weight, fc_bias, proj_weight, proj_bias, r, t):
-    n = fc_weight.shape[1] // t
-    return fc_weight[:, r * n:(r + 1) * n], fc_bias, proj_weight, proj_bias  # the paper's "columns", of w = Aᵀ
+def _swiglu_up_of_another_block(gate_up_weight, down_weight, r, t):
+    h = gate_up_weight.shape[0] // 2
+    mine, other = np.arange(r * h // t, (r + 1) * h // t), np.arange((r + 1) % t * h // t, ((r + 1) % t + 1) * h // t)
+    return gate_up_weight[np.concatenate([mine, h + other])], down_weight[:, mine]
+
+
+def _swiglu_down_by_rows(gate_up_weight, down_weight, r, t):
+    h, c = gate_up_weight.shape[0] // 2, down_weight.shape[0]
+    mine = np.arange(r * h // t, (r + 1) * h // t)
+    return gate_up_weight[np.concatenate([mine, h + mine])], down_weight[r * c // t:(r + 1) * c // t]
 
 
 def _qkv_contiguous(qkv_weight, qkv_bias, n_head, r, t):
@@ -345,8 +352,9 @@ WRONG = [
      "g's forward changed its input in place"),
     ("tensor_parallel", "check_conjugate_operators", _operators(g_backward_sums=True),
      "g's backward returned 2 times the gradient"),
-    ("tensor_parallel", "check_mlp_slices", _mlp_slices_by_input, "the output features are the ROWS of w"),
-    ("tensor_parallel", "check_mlp_slices", _mlp_slices_bias_cut, "proj_bias on rank 0 of 2 has shape (2,)"),
+    ("tensor_parallel", "check_swiglu_slices", _swiglu_contiguous, "That is a contiguous block of the fused weight"),
+    ("tensor_parallel", "check_swiglu_slices", _swiglu_up_of_another_block, "The halves hold different hidden"),
+    ("tensor_parallel", "check_swiglu_slices", _swiglu_down_by_rows, "down is row-parallel"),
     ("tensor_parallel", "check_qkv_slices", _qkv_contiguous, "A contiguous block of the fused weight mixes"),
     ("experts", "check_dispatch_indices", lambda c, e: _dispatch(c, e, unstable=True), "the sort must be stable"),
     ("experts", "check_dispatch_indices", lambda c, e: _dispatch(c, e, inverse_is_order=True),

@@ -26,12 +26,14 @@
 # %%
 import numpy as np
 from harness import last_json, run_mpi
-from harness.tensor_parallel import mlp_layers, run_ranks, slice_difference
+from harness.tensor_parallel import run_ranks
 
 from refimpl.autograd import Parameter, Tensor
 from refimpl.nn import GPT, GPTConfig
 from refimpl.nn import functional as F
 from refimpl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
     padded,
     shard_gpt,
     vocab_parallel_cross_entropy,
@@ -109,9 +111,10 @@ print(f"A cut by rows instead, GeLU on each partial sum:       {np.abs(cut_rows_
 # this process with its own communicator: a refimpl `Comm` (`comm.rank`, `comm.size`,
 # `comm.allreduce(buf)` in place, the byte counters of tutorial 03), whose collectives meet the
 # other threads and add their contributions in rank order, so that every rank gets the same sum,
-# bit for bit, as from MPI (`harness/tensor_parallel.py`). `mlp_layers` gives rank r its fc and
-# proj layers, holding its slices of the four arrays; which rows and columns those are, in
-# refimpl's (out, in) layout, is exercise 2, so the helper does not show them.
+# bit for bit, as from MPI (`harness/tensor_parallel.py`). Rank r keeps block r of the 4C hidden
+# features: in refimpl's (out, in) layout, those *rows* of fc's weight and bias (its output
+# features) and those *columns* of proj's weight (its input features); proj's bias stays whole, since
+# g sums the partial outputs and the bias is added once, after the sum.
 
 # %%
 rng = np.random.default_rng(1)
@@ -127,10 +130,19 @@ y_whole = F.linear(F.gelu(F.linear(x_whole, whole[0], whole[1])), whole[2], whol
 y_whole.backward(dy)
 
 
+def hidden_block(r, t):
+    """Rank r's hidden features: block r of t equal contiguous blocks of the 4C."""
+    n = fc_w.shape[0] // t  # 4C/t
+    return slice(r * n, (r + 1) * n)
+
+
 def mlp_rank(comm):
     """Rank comm.rank of comm.size: its slices, f -> fc -> GeLU -> proj -> g -> + bias."""
-    fc, proj = mlp_layers(fc_w, fc_b, proj_w, proj_b, comm)  # ColumnParallelLinear, RowParallelLinear
-    mine = [fc.weight, fc.bias, proj.weight, proj.bias]  # this rank's slices, as Parameters
+    h = hidden_block(comm.rank, comm.size)
+    mine = [Parameter(fc_w[h].copy()), Parameter(fc_b[h].copy()),  # (4C/t, C), (4C/t,): fc's output features
+            Parameter(proj_w[:, h].copy()), Parameter(proj_b.copy())]  # (C, 4C/t): proj's input features; (C,)
+    fc = ColumnParallelLinear(mine[0], mine[1], comm, sequence_parallel=False)  # f, then x w_rᵀ + b_r
+    proj = RowParallelLinear(mine[2], mine[3], comm, sequence_parallel=False)  # x_r w_rᵀ, g, then + b
     xr = Tensor(x.copy(), requires_grad=True)  # every rank holds the whole input
     yr = proj(F.gelu(fc(xr)))  # (B, T, C): whole, the same on every rank
     yr.backward(dy)
@@ -139,7 +151,9 @@ def mlp_rank(comm):
 
 grads_whole = [p.grad for p in whole]
 for r, (y_r, dx_r, grads_r, sent) in enumerate(run_ranks(2, mlp_rank)):
-    worst = slice_difference(grads_r, grads_whole, r, 2)  # against rank r's slices of one process's gradients
+    h = hidden_block(r, 2)  # rank r's slices of one process's gradients, against the rank's own
+    expected = [grads_whole[0][h], grads_whole[1][h], grads_whole[2][:, h], grads_whole[3]]
+    worst = max(np.abs(g - e).max() for g, e in zip(grads_r, expected))
     print(f"rank {r}: |y - y_one| {np.abs(y_r - y_whole.data).max():.1e}, |dx - dx_one| "
           f"{np.abs(dx_r - x_whole.grad).max():.1e}, its weight and bias gradients {worst:.1e}; "
           f"{sent['calls']} all-reduces, {sent['bytes']} bytes sent")
@@ -370,12 +384,19 @@ print(f"tolerance used {result['tolerance_used']:.3g}: the worst number used {10
 # row-parallel) on 2, 3 and 4 ranks, and compares its output and every gradient with one
 # process's, to 1e-12. It also checks that neither operator changes an array it was handed.
 #
-# **Exercise 2.** `mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r, t)`: the arrays rank
-# r of t keeps of an MLP y = gelu(x fc_weightᵀ + fc_bias) proj_weightᵀ + proj_bias, refimpl's
-# layout (weights (out, in)): `fc_weight` (4C, C) and `fc_bias` (4C,), `proj_weight` (C, 4C),
-# `proj_bias` (C,). Return `(fc_weight_r, fc_bias_r, proj_weight_r, proj_bias_r)` for fc
-# column-parallel and proj row-parallel, rank r holding the r-th of t equal contiguous blocks of
-# the hidden features (the bias of a row-parallel layer is added after g).
+# **Exercise 2.** `swiglu_slices(gate_up_weight, down_weight, r, t)`: Llama's MLP is not part 2's.
+# It is SwiGLU (Shazeer, arXiv 2002.05202): y = (SiLU(x W_gᵀ) ⊙ x W_uᵀ) W_dᵀ, with SiLU(z) = z·σ(z),
+# ⊙ the elementwise product, a hidden width H and no biases. Megatron-LM, for one, fuses the gate
+# W_g and the up projection W_u into one `Linear(C, 2H)`: `gate_up_weight` (2H, C) holds W_g's H rows,
+# then W_u's H rows; `down_weight` W_d is (C, H). Every rank runs the same code on its slices:
+#
+#     h = x @ gate_up_rᵀ;  gate, up = split h in two equal halves;  partial = (SiLU(gate) * up) @ down_rᵀ
+#
+# and g sums the t partial outputs (`harness.tensor_parallel.swiglu` is that code on plain arrays).
+# Return `(gate_up_r, down_r)`, of shapes (2H/t, C) and (C, H/t), so that the sum over the ranks is
+# one process's y, with rank r holding block r of t equal contiguous blocks of the hidden features,
+# as in part 2. Which rows of the fused weight does rank r need, in which order, and why does a
+# contiguous block of it fail? Parts 2 and 3 have what you need; the check names the usual mistakes.
 #
 # **Exercise 3.** `qkv_slices(qkv_weight, qkv_bias, n_head, r, t)`: the rows rank r keeps of the
 # fused projection `qkv_weight` (3C, C) and `qkv_bias` (3C,) of attention with `n_head` heads,
@@ -399,8 +420,8 @@ print(f"tolerance used {result['tolerance_used']:.3g}: the worst number used {10
 from harness import Exercises
 from harness.tensor_parallel import (
     check_conjugate_operators,
-    check_mlp_slices,
     check_qkv_slices,
+    check_swiglu_slices,
     check_tp_allreduce_bytes,
 )
 
@@ -429,7 +450,7 @@ def conjugate_operators():
 
 
 @ex.stub
-def mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r, t):
+def swiglu_slices(gate_up_weight, down_weight, r, t):
     raise NotImplementedError("exercise 2")
 
 
@@ -451,7 +472,7 @@ ANSWER = """
 """
 
 ex.check(1, check_conjugate_operators, conjugate_operators)
-ex.check(2, check_mlp_slices, mlp_slices)
+ex.check(2, check_swiglu_slices, swiglu_slices)
 ex.check(3, check_qkv_slices, qkv_slices)
 ex.check(4, check_tp_allreduce_bytes, tp_allreduce_bytes)
 ex.summary();  # noqa: E703 - the `;` keeps a notebook from echoing the returned True/False

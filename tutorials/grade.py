@@ -224,8 +224,8 @@ class Grader:
         self._temporary = None
         if copy is None:
             self._temporary = tempfile.TemporaryDirectory(prefix="student-copy-")
-            # The grader's working copy keeps the harness's reference functions (the checks that run in the
-            # student's process need them); a call to one during an exercise it answers is a tripwire.
+            # The grader's working copy keeps the harness's reference functions (each a tripwire of the
+            # exercises it answers).
             instructor = (TUTORIALS / "solutions").is_dir()  # else this is a student copy: keep its table
             copy = build_student_copy(Path(self._temporary.name), recorded={} if instructor else None, strip=False)
         self.copy = Path(copy)
@@ -266,11 +266,8 @@ class Grader:
         source = "\n".join("" if i + 1 in blank else line
                            for i, line in enumerate(kept_text(text, module).splitlines())) + "\n"
         flags = scan.flags(module, exercise, self.settings)
-        here = bool(self.settings.get("exercise", {}).get(exercise.key, {}).get("check_in_student_process"))
-        if here:
-            flags.append("its check ran in the student's process (its answer is a live object): read the code")
         outcome = process.grade(source, str(path), exercise.function, exercise.forbidden, exercise.check,
-                                self.timeout, run_check, here)
+                                self.timeout, run_check)
         drawn = hidden_check(exercise, self.settings) if outcome.result == "pass" and self.hidden else None
         if drawn is not None:
             second = process.grade(source, str(path), exercise.function, exercise.forbidden, drawn, self.timeout,

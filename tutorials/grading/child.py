@@ -153,14 +153,13 @@ class Session:
             raise NameError(f"{function} is not defined")
         return namespace[function]
 
-    def check_here(self, module: str, check: str, function) -> list:
-        """Run the public check `module.check` on `function` in this process: [status, message]. For the
-        exercises whose answer is a live object (a generator driving a ring, a Tensor, a class) that
-        cannot cross the pipe as plain data; the grader marks their verdicts as not tamper-proof."""
-        import harness  # noqa: PLC0415 - the student copy's harness
-
-        result = harness.run_check(getattr(importlib.import_module(module), check), function)
-        return [result.status, result.message]
+    def evaluate(self, module: str, evaluator: str, function, *args):
+        """`module.evaluator(function, *args)`: run the student's live answer (a loss Tensor, autograd
+        Function classes) on the inputs the grader sent, and return what it computed as plain data.
+        The check that judges it runs in the grader (harness.in_student_process)."""
+        if not (module.startswith("harness.") and evaluator.startswith("evaluate_")):
+            raise ValueError(f"{module}.{evaluator} is not an evaluator of the harness")
+        return getattr(importlib.import_module(module), evaluator)(function, *args)
 
     def capstone(self, path: str, function: str, sizes: list, forbidden: list) -> dict:
         """The student's schedule generator at every (pp, micro-batches) of `sizes`: {"pp,m": its

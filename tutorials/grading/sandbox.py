@@ -22,10 +22,10 @@ driven from here (`_drive`): the check's simulated ring delivers its messages in
 copies of the receive buffers, which are copied to the student's arrays before the next step, and
 the buffer the generator was called with takes its final value when it ends (wire.py, mirrored
 arrays). Two exercises return live objects that cannot cross the pipe as plain data (04.2: a loss
-Tensor whose backward the check runs; 10.1: autograd Function classes). course.toml marks them
-`check_in_student_process = true`: their public check runs in the student's process, beside the
-student's code, and the grade carries a flag saying so (a student who rewrites the check there
-goes undetected by the verdict; the timeout, exit, output, tripwire and scan rules still apply).
+Tensor to call backward on; 10.1: autograd Function classes). Their check sends inputs to the
+student's process, where an evaluator of the harness (`harness.in_student_process`, `evaluate_*`)
+runs the live object on them and sends back what it computed (loss values, gradients, outputs);
+the check compares those with the reference answers here, like any other.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class StudentProcess:
         return self.log.stat().st_size if self.log.exists() else 0
 
     def grade(self, text: str, filename: str, function: str, forbidden: list[str], check, timeout: float,
-              run_check, here: bool = False) -> Outcome:
+              run_check) -> Outcome:
         """Run `check` here on the student's `function`, defined in their process from `text`."""
         if self.process is None or self.process.poll() is not None or self.peer.gone:
             self.stop()
@@ -118,14 +118,7 @@ class StudentProcess:
                 outcome = Outcome("fail", f"defining {function} raised {exc.kind}: {exc.text}{where}", "error")
             if outcome is None:
                 peer.deadline = time.monotonic() + timeout
-                if here:
-                    answer = session.check_here(check.__module__, check.__name__, remote)
-                    status, message = (answer if isinstance(answer, list) and len(answer) == 2
-                                       and answer[0] in ("correct", "not done", "wrong", "error")
-                                       else ("error", "the student's process returned no verdict"))
-                    result = type("Result", (), {"status": status, "message": str(message)[:2000]})
-                else:
-                    result = run_check(check, _local(remote, function))
+                result = run_check(check, _local(remote, function, session))
                 verdict = {"correct": "pass", "not done": "not done", "wrong": "fail", "error": "fail"}[result.status]
                 outcome = Outcome(verdict, result.message, "" if verdict == "pass" else result.status)
             peer.deadline = time.monotonic() + 30
@@ -163,8 +156,10 @@ class StudentProcess:
                                "sys.exit in a thread, or a crash): the exercise fails", "exit")
 
 
-def _local(remote: Remote, function: str):
-    """A plain local function that calls the student's through the pipe (a name for messages)."""
+def _local(remote: Remote, function: str, session: Remote):
+    """A plain local function that calls the student's through the pipe (a name for messages). Its
+    `in_student_process(evaluator, *args)` runs a harness evaluator on the student's function in their
+    process and returns the plain data it sends back (harness.in_student_process)."""
     def student(*args, **kwargs):
         try:
             value = remote(*args, **kwargs)
@@ -172,7 +167,14 @@ def _local(remote: Remote, function: str):
             raise _as_error(exc) from None
         return _drive(value) if isinstance(value, Remote) and value._kind == "generator" else value
 
+    def in_student_process(evaluator, *args):
+        try:
+            return session.evaluate(evaluator.__module__, evaluator.__name__, remote, *args)
+        except RemoteError as exc:
+            raise _as_error(exc) from None
+
     student.__name__ = student.__qualname__ = function
+    student.in_student_process = in_student_process
     return student
 
 

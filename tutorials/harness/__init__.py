@@ -101,6 +101,29 @@ def expect_close(got, expected, what: str, rtol: float = 1e-10, atol: float = 1e
                     f"expected {shown(expected[at])} (largest |difference| {float(diff.max()):.3g})")
 
 
+def in_student_process(evaluator, function, *args):
+    """`evaluator(function, *args)`, run where the student's function lives.
+
+    For the answers that are live objects (a loss Tensor to call backward on, autograd Function
+    classes): a check cannot receive them as plain data, so it sends inputs instead, and the
+    evaluator (a harness function named `evaluate_*`) runs the student's object on them and returns
+    what it computed as plain data: values, gradients, outputs. In a tutorial that is a plain call.
+    When tutorials/grade.py grades, `function` is the grader's stand-in for the student's function,
+    and the evaluator runs in the student's process (tutorials/grading/child.py) while the check,
+    with its reference answers and its verdict, stays in the grader's."""
+    there = getattr(function, "in_student_process", None)
+    return there(evaluator, *args) if there is not None else evaluator(function, *args)
+
+
+def plain_array(value, what: str):
+    """`value` if it is a NumPy array (what an evaluator returns), else Wrong saying what it is."""
+    import numpy as np  # noqa: PLC0415 - keep `import harness` light
+
+    if not isinstance(value, np.ndarray):
+        raise Wrong(f"{what}: expected an array, got {type(value).__name__}")
+    return value
+
+
 @dataclass
 class Result:
     status: str  # "correct", "not done", "wrong" or "error"
@@ -246,5 +269,5 @@ def last_json(done: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1])
 
 
-__all__ = ["Exercises", "Wrong", "plain", "shown", "expect_close", "Result", "run_check", "title", "solutions_dir",
-           "run_mpi", "last_json"]
+__all__ = ["Exercises", "Wrong", "plain", "shown", "expect_close", "in_student_process", "plain_array", "Result",
+           "run_check", "title", "solutions_dir", "run_mpi", "last_json"]

@@ -12,7 +12,7 @@ from refimpl.nn import functional as F
 from refimpl.objective import count_targets, split_batch
 from refimpl.parallel.data_parallel import assign_buckets as library_assign_buckets
 
-from . import Wrong, expect_close, plain, shown
+from . import Wrong, expect_close, in_student_process, plain, plain_array, shown
 
 
 def check_rank_micro_batches(rank_micro_batches) -> None:
@@ -33,34 +33,64 @@ def check_rank_micro_batches(rank_micro_batches) -> None:
                                 f"should hold rows {list(ey)} of the global batch; yours holds {list(np.ravel(gy))}")
 
 
+def evaluate_local_loss(local_loss, config: dict, weights: dict, shards: list, total: int) -> dict:
+    """Runs where the student's code lives (harness.in_student_process): a GPT of `config` holding
+    `weights`, each rank's `local_loss(model, x_r, y_r, total)` and its backward, the gradients
+    accumulating over the ranks as the all-reduce sums them. Returns plain data: {"losses": each
+    rank's loss value, "grads": {name: the summed gradient}}, or {"returned": what a rank returned
+    instead of a scalar Tensor}."""
+    model = GPT(GPTConfig(**config), seed=0)
+    for name, p in model.named_parameters():
+        p.data[...] = weights[name]
+    losses = []
+    for xs, ys in shards:
+        loss = local_loss(model, xs, ys, total)
+        if not isinstance(loss, Tensor) or loss.size != 1:
+            return {"returned": shown(loss)[:200]}
+        loss.backward()  # gradients accumulate: the sum over ranks, as the all-reduce computes
+        losses.append(float(loss.item()))
+    return {"losses": losses, "grads": {name: None if p.grad is None else np.array(p.grad, dtype=np.float64)
+                                        for name, p in model.named_parameters()}}
+
+
 def check_local_loss(local_loss) -> None:
     """Check: the loss each rank differentiates."""
     task = SortTask(length=3, seed=1)
     x, y = task.batch(0, 6)
     y[:2, 4:] = IGNORE  # ranks get different numbers of counted targets
     y[5, 5] = IGNORE
-    model = GPT(GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, n_layer=1, n_head=2, d_model=8,
-                          dtype="float64"), seed=3)
-    F.cross_entropy(model(x), y).backward()  # the whole batch in one process: the reference
+    config = {"vocab_size": task.vocab_size, "seq_len": task.seq_len, "n_layer": 1, "n_head": 2, "d_model": 8,
+              "dtype": "float64"}
+    model = GPT(GPTConfig(**config), seed=3)
+    whole_loss = F.cross_entropy(model(x), y)
+    whole_loss.backward()  # the whole batch in one process: the reference
     reference = {name: p.grad.copy() for name, p in model.named_parameters()}
-    model.zero_grad()
+    weights = {name: p.data.copy() for name, p in model.named_parameters()}
     total = count_targets(y)
     for world_size in (2, 3):
-        losses = []
-        for xs, ys in split_batch(x, y, world_size, "ranks"):
-            loss = local_loss(model, xs, ys, total)
-            if not isinstance(loss, Tensor) or loss.size != 1:
-                raise Wrong(f"return the scalar loss Tensor that this rank calls backward() on; got {shown(loss)}")
-            loss.backward()  # gradients accumulate: the sum over ranks, as the all-reduce computes
-            losses.append(loss.item())
-        for name, p in model.named_parameters():
+        shards = [(xs.copy(), ys.copy()) for xs, ys in split_batch(x, y, world_size, "ranks")]
+        got = in_student_process(evaluate_local_loss, local_loss, config, {n: w.copy() for n, w in weights.items()},
+                                 shards, total)
+        if not isinstance(got, dict) or not ("returned" in got or {"losses", "grads"} <= got.keys()):
+            raise Wrong(f"the evaluation of local_loss returned {type(got).__name__}, not its losses and gradients")
+        if "returned" in got:
+            raise Wrong(f"return the scalar loss Tensor that this rank calls backward() on; got {got['returned']}")
+        grads = got["grads"] if isinstance(got["grads"], dict) else {}
+        for name in reference:
+            if grads.get(name) is None:
+                raise Wrong(f"with {world_size} ranks, {name} got no gradient: is the loss computed from the model's "
+                            f"output?")
             try:
-                expect_close(p.grad, reference[name], f"the sum over {world_size} ranks of the gradient of {name}")
+                expect_close(plain_array(grads[name], name), reference[name],
+                             f"the sum over {world_size} ranks of the gradient of {name}")
             except Wrong as exc:
                 raise Wrong(f"{exc}. The ranks hold different numbers of counted targets, so each must divide by "
                             f"the global batch's count ({total}), not by its own") from None
-        expect_close(sum(losses), F.cross_entropy(model(x), y).item(), "the sum of the ranks' losses")
-        model.zero_grad()
+        losses = got["losses"]
+        if not (isinstance(losses, list) and len(losses) == world_size
+                and all(isinstance(v, float) for v in losses)):
+            raise Wrong(f"with {world_size} ranks: expected {world_size} loss values, got {shown(losses)[:200]}")
+        expect_close(sum(losses), whole_loss.item(), "the sum of the ranks' losses")
 
 
 def check_assign_buckets(assign_buckets) -> None:

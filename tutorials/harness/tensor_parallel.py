@@ -43,7 +43,7 @@ from refimpl.parallel.tensor_parallel.operators import (
     ReduceScatterSequence,
 )
 
-from . import Wrong, expect_close, shown
+from . import Wrong, expect_close, in_student_process, plain_array, shown
 
 TIMEOUT_S = 60.0  # a rank waits this long in a collective before the simulation gives up
 
@@ -228,14 +228,18 @@ def run_ranks(size: int, program, *args, comm_class=None) -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# The MLP of tutorial 10, whole and cut: refimpl's answers, used by the tutorial and the checks
+# The MLP of tutorial 10, whole and cut as its section 2 shows, for the checks
 # ------------------------------------------------------------------------------------------------
 
 
-def reference_mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r: int, t: int) -> tuple:
-    """refimpl's cut of an MLP (exercise 2's answer): fc by output features, proj by input features."""
-    return (WeightSplit(0).shard(fc_weight, r, t), WeightSplit(0).shard(fc_bias, r, t),
-            WeightSplit(1).shard(proj_weight, r, t), np.array(proj_bias, copy=True))
+def mlp_rank_slices(fc_weight, fc_bias, proj_weight, proj_bias, r: int, t: int) -> tuple:
+    """Rank r's slices of an MLP, cut as section 2 of tutorial 10 shows: fc by output features (rows of
+    its (out, in) weight) and proj by input features (columns), both block r of the hidden features;
+    proj's bias whole (g adds it once, after the sum)."""
+    hidden = fc_weight.shape[0] // t  # 4C/t hidden features per rank
+    mine = slice(r * hidden, (r + 1) * hidden)
+    return (np.array(fc_weight[mine]), np.array(fc_bias[mine]), np.array(proj_weight[:, mine]),
+            np.array(proj_bias, copy=True))
 
 
 def reference_qkv_slices(qkv_weight, qkv_bias, n_head: int, r: int, t: int) -> tuple:
@@ -280,36 +284,10 @@ def _mlp_on_rank(comm, case, slices, f=None, g=None) -> dict:
             "bytes": comm.counters.snapshot()}
 
 
-def _library_mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r: int, t: int) -> tuple:
-    """Rank r's MLP slices, cut by refimpl's own WeightSplit (the tensor-parallel GPT's)."""
-    from refimpl.parallel.tensor_parallel.gpt import WeightSplit  # noqa: PLC0415
-
-    rows, columns = WeightSplit(axis=0), WeightSplit(axis=1)
-    return (rows.shard(fc_weight, r, t), rows.shard(fc_bias, r, t), columns.shard(proj_weight, r, t),
-            np.array(proj_bias, copy=True))
-
-
-def mlp_layers(fc_weight, fc_bias, proj_weight, proj_bias, comm) -> tuple:
-    """Rank comm.rank's (fc, proj) of a whole MLP: fc column-parallel, proj row-parallel, each holding
-    this rank's slices as Parameters. Which slices those are is exercise 2 of tutorial 10, so this
-    helper keeps them to itself (and a call to it during that exercise fails it)."""
-    mine = [Parameter(a) for a in _library_mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, comm.rank,
-                                                      comm.size)]
-    return (ColumnParallelLinear(mine[0], mine[1], comm, sequence_parallel=False),
-            RowParallelLinear(mine[2], mine[3], comm, sequence_parallel=False))
-
-
-def slice_difference(rank_grads: list, whole_grads: list, r: int, t: int) -> float:
-    """The largest |difference| between rank r's gradients of its MLP slices and the same slices of one
-    process's gradients (fc_weight, fc_bias, proj_weight, proj_bias)."""
-    expected = _library_mlp_slices(*whole_grads, r, t)
-    return float(max(np.abs(np.asarray(g) - e).max() for g, e in zip(rank_grads, expected)))
-
-
 def tensor_parallel_mlp(case: dict, t: int, slices=None, f=None, g=None) -> list:
     """Run the MLP on t ranks; each rank's {"y", "x" (its dL/dx), its slices' gradients, "bytes"}.
-    `slices` defaults to reference_mlp_slices, looked up when called (so a recorder sees the calls)."""
-    slices = slices or reference_mlp_slices
+    `slices` defaults to mlp_rank_slices."""
+    slices = slices or mlp_rank_slices
 
     def program(comm):
         return _mlp_on_rank(comm, case, slices(*(case[n] for n in MLP_NAMES), comm.rank, t), f, g)
@@ -346,10 +324,10 @@ def _backward_returns(node, grad, name: str, t: int):
     return out[0]
 
 
-def _check_f(f, t: int, rng) -> None:
-    x0 = rng.standard_normal((2, 3, 4))  # (B, T, C): the same on every rank (f's input is replicated)
-    partial = [rng.standard_normal((2, 3, 4)) for _ in range(t)]  # rank r's part of dL/dx
-    total = np.sum(partial, axis=0)
+def _observe_f(f, x0, partial) -> list:
+    """Each rank's (f's forward output, its backward called directly, x's gradient, the gradient handed
+    to backward afterwards) for input x0 and rank r's part partial[r] of dL/dx."""
+    t = len(partial)
 
     def program(comm):
         x = Tensor(x0.copy(), requires_grad=True)
@@ -358,10 +336,75 @@ def _check_f(f, t: int, rng) -> None:
         direct = _backward_returns(y.grad_fn, partial[comm.rank].copy(), "f", t) if y.grad_fn else None
         given = partial[comm.rank].copy()
         y.backward(given)
-        return out, direct, x.grad, given
+        return [out, _array_or_none(direct), _array_or_none(x.grad), given]
 
-    for r, (out, direct, grad, given) in enumerate(run_ranks(t, program)):
+    return run_ranks(t, program)
+
+
+def _observe_g(g, partial, dy) -> list:
+    """Each rank's (g's forward output, its input after forward, its backward called directly, the
+    input's gradient) for rank r's partial output partial[r] and dL/dy."""
+    t = len(partial)
+
+    def program(comm):
+        p = Tensor(partial[comm.rank].copy(), requires_grad=True)
+        y = g.apply(p, comm)
+        out, after = np.array(y.data, copy=True), np.array(p.data, copy=True)
+        direct = _backward_returns(y.grad_fn, dy.copy(), "g", t) if y.grad_fn else None
+        y.backward(dy.copy())
+        return [out, after, _array_or_none(direct), _array_or_none(p.grad)]
+
+    return run_ranks(t, program)
+
+
+def _array_or_none(value):
+    return None if value is None else np.array(value, dtype=np.float64)
+
+
+OWN_OPERATORS = (CopyToTensorParallel, ReduceFromTensorParallel, GatherSequence, ReduceScatterSequence)
+
+
+def evaluate_conjugate_operators(conjugate_operators, f_cases: list, g_cases: list, mlp: dict) -> dict:
+    """Runs where the student's code lives (harness.in_student_process): the student's f and g on the
+    inputs the check sent, on simulated ranks. Returns plain data: {"f": per case, each rank's
+    observations; "g": the same; "mlp": per t, each rank's output and gradients of the MLP built with
+    f and g on the slices sent}, or {"wrong": why} when the classes cannot be run at all."""
+    try:
+        operators = conjugate_operators()
+        if not isinstance(operators, (tuple, list)) or len(operators) != 2:
+            raise Wrong(f"return the pair of classes (f, g); got {shown(operators)[:200]}")
+        f, g = operators
+        for name, cls in (("f", f), ("g", g)):
+            if not (isinstance(cls, type) and issubclass(cls, Function)):
+                raise Wrong(f"{name} must be a class derived from refimpl.autograd.Function (return the class "
+                            f"itself, not an instance or a function); got {shown(cls)[:200]}")
+            if issubclass(cls, OWN_OPERATORS):
+                base = next(b for b in OWN_OPERATORS if issubclass(cls, b))
+                raise Wrong(f"{name} is refimpl's {base.__name__}, or derives from it: write forward and backward "
+                            f"yourself")
+        seen = {"f": [_observe_f(f, case["x"], case["partial"]) for case in f_cases],
+                "g": [_observe_g(g, case["partial"], case["dy"]) for case in g_cases], "mlp": []}
+        for rank_slices in mlp["slices"]:
+            def program(comm, rank_slices=rank_slices):
+                got = _mlp_on_rank(comm, mlp["case"], rank_slices[comm.rank], f, g)
+                return {key: _array_or_none(got[key]) for key in ("y", "x", *MLP_NAMES)}
+
+            seen["mlp"].append(run_ranks(len(rank_slices), program))
+        return seen
+    except Wrong as exc:  # a form the check can name without running anything further
+        return {"wrong": str(exc)}
+
+
+def _judge_f(ranks, x0, partial) -> None:
+    t, total = len(partial), np.sum(partial, axis=0)
+    if not isinstance(ranks, list) or len(ranks) != t:
+        raise Wrong(f"with t = {t} ranks: expected the observations of {t} ranks of f")
+    for r, seen in enumerate(ranks):
         where = f"with t = {t} ranks, rank {r}"
+        if not isinstance(seen, list) or len(seen) != 4:
+            raise Wrong(f"{where}: no observations of f")
+        out, direct, grad, given = seen
+        out, given = plain_array(out, f"{where}: f's forward output"), plain_array(given, f"{where}: dL/dy")
         if _times(out, x0):
             raise Wrong(f"{where}: f's forward returned {_times(out, x0)} its input (t = {t}): f must be the identity "
                         f"in forward -- every rank already holds the whole x, and summing t equal copies multiplies "
@@ -369,6 +412,7 @@ def _check_f(f, t: int, rng) -> None:
         expect_close(out, x0, f"{where}: f's forward output (it must be the identity)")
         if grad is None:
             raise Wrong(f"{where}: x got no gradient through f: is its backward's first element None?")
+        grad = plain_array(grad, f"{where}: the gradient of x")
         if np.allclose(grad, partial[r], rtol=1e-10, atol=1e-12):
             raise Wrong(f"{where}: f's backward returned the rank's own gradient unchanged; it must all-reduce "
                         f"(sum) it over the group: each rank's gradient of x flows only through its own slice of "
@@ -378,7 +422,8 @@ def _check_f(f, t: int, rng) -> None:
                         f"all-reduce once")
         expect_close(grad, total, f"{where}: the gradient of x through f (the sum over ranks of the gradient "
                                   f"each rank gives f's backward)")
-        if direct is not None and not np.allclose(direct, total, rtol=1e-10, atol=1e-12):
+        if direct is not None and not np.allclose(plain_array(direct, f"{where}: f's backward"), total,
+                                                  rtol=1e-10, atol=1e-12):
             raise Wrong(f"{where}: f's backward gives different results when called twice with the same gradient")
         if not np.array_equal(given, partial[r]):
             raise Wrong(f"{where}: f's backward changed the gradient it was given in place (comm.allreduce sums "
@@ -387,21 +432,16 @@ def _check_f(f, t: int, rng) -> None:
                         f"passes its output's gradient to both inputs unchanged); all-reduce a copy")
 
 
-def _check_g(g, t: int, rng) -> None:
-    partial = [rng.standard_normal((2, 3, 4)) for _ in range(t)]  # rank r's partial output x_r w_rᵀ
-    total = np.sum(partial, axis=0)
-    dy = rng.standard_normal((2, 3, 4))  # dL/dy: the same on every rank (what follows g is replicated)
-
-    def program(comm):
-        p = Tensor(partial[comm.rank].copy(), requires_grad=True)
-        y = g.apply(p, comm)
-        out, after = np.array(y.data, copy=True), np.array(p.data, copy=True)
-        direct = _backward_returns(y.grad_fn, dy.copy(), "g", t) if y.grad_fn else None
-        y.backward(dy.copy())
-        return out, after, direct, p.grad
-
-    for r, (out, after, direct, grad) in enumerate(run_ranks(t, program)):
+def _judge_g(ranks, partial, dy) -> None:
+    t, total = len(partial), np.sum(partial, axis=0)
+    if not isinstance(ranks, list) or len(ranks) != t:
+        raise Wrong(f"with t = {t} ranks: expected the observations of {t} ranks of g")
+    for r, seen in enumerate(ranks):
         where = f"with t = {t} ranks, rank {r}"
+        if not isinstance(seen, list) or len(seen) != 4:
+            raise Wrong(f"{where}: no observations of g")
+        out, after, direct, grad = seen
+        out, after = plain_array(out, f"{where}: g's forward output"), plain_array(after, f"{where}: g's input")
         if np.allclose(out, partial[r], rtol=1e-10, atol=1e-12):
             raise Wrong(f"{where}: g's forward returned the rank's own partial output; it must all-reduce (sum) the "
                         f"t partial outputs x_r w_rᵀ of the row-parallel layer into the whole output")
@@ -413,45 +453,67 @@ def _check_g(g, t: int, rng) -> None:
                         f"copy")
         if grad is None:
             raise Wrong(f"{where}: the input of g got no gradient: is its backward's first element None?")
+        grad = plain_array(grad, f"{where}: the gradient of g's input")
         if _times(grad, dy):
             raise Wrong(f"{where}: g's backward returned {_times(grad, dy)} the gradient it was given (t = {t}): g "
                         f"must be the identity in backward -- every rank already holds the same, whole dL/dy (all "
                         f"that follows g is replicated), and all-reducing it counts it t times")
         expect_close(grad, dy, f"{where}: the gradient of g's input (it must be the identity in backward)")
-        if direct is not None and not np.allclose(direct, dy, rtol=1e-10, atol=1e-12):
+        if direct is not None and not np.allclose(plain_array(direct, f"{where}: g's backward"), dy,
+                                                  rtol=1e-10, atol=1e-12):
             raise Wrong(f"{where}: g's backward gives different results when called twice with the same gradient")
 
 
 def check_conjugate_operators(conjugate_operators) -> None:
     """Check: the conjugate operators f and g."""
-    operators = conjugate_operators()
-    if not isinstance(operators, (tuple, list)) or len(operators) != 2:
-        raise Wrong(f"return the pair of classes (f, g); got {shown(operators)}")
-    f, g = operators
-    for name, cls in (("f", f), ("g", g)):
-        if not (isinstance(cls, type) and issubclass(cls, Function)):
-            raise Wrong(f"{name} must be a class derived from refimpl.autograd.Function (return the class itself, "
-                        f"not an instance or a function); got {shown(cls)}")
-        own = (CopyToTensorParallel, ReduceFromTensorParallel, GatherSequence, ReduceScatterSequence)
-        if issubclass(cls, own):
-            base = next(b for b in own if issubclass(cls, b))
-            raise Wrong(f"{name} is refimpl's {base.__name__}, or derives from it: write forward and backward "
-                        f"yourself")
     rng = np.random.default_rng(10)
+    f_cases, g_cases = [], []
     for t in (2, 3):
-        _check_f(f, t, rng)
-        _check_g(g, t, rng)
+        f_cases.append({"x": rng.standard_normal((2, 3, 4)),  # (B, T, C): the same on every rank (replicated)
+                        "partial": [rng.standard_normal((2, 3, 4)) for _ in range(t)]})  # rank r's part of dL/dx
+        g_cases.append({"partial": [rng.standard_normal((2, 3, 4)) for _ in range(t)],  # rank r's x_r w_rᵀ
+                        "dy": rng.standard_normal((2, 3, 4))})  # dL/dy: the same on every rank
     case = mlp_case(6, seed=11)  # width 6, hidden 24: t = 2, 3 and 4 all divide it
+    sizes = (2, 3, 4)
+    slices = [[mlp_rank_slices(*(case[n] for n in MLP_NAMES), r, t) for r in range(t)] for t in sizes]
+    seen = in_student_process(evaluate_conjugate_operators, conjugate_operators, _copied(f_cases),
+                              _copied(g_cases), {"case": _copied(case), "slices": _copied(slices)})
+    if not isinstance(seen, dict):
+        raise Wrong(f"the evaluation of f and g returned {type(seen).__name__}, not their outputs and gradients")
+    if "wrong" in seen:
+        raise Wrong(str(seen["wrong"])[:2000])
+    if not all(isinstance(seen.get(k), list) for k in ("f", "g", "mlp")) or (
+            len(seen["f"]), len(seen["g"]), len(seen["mlp"])) != (2, 2, len(sizes)):
+        raise Wrong("the evaluation of f and g did not return every case's outputs and gradients")
+    for f_seen, g_seen, f_case, g_case in zip(seen["f"], seen["g"], f_cases, g_cases):
+        _judge_f(f_seen, f_case["x"], f_case["partial"])
+        _judge_g(g_seen, g_case["partial"], g_case["dy"])
     whole = mlp_whole(case)
-    for t in (2, 3, 4):
-        for r, got in enumerate(tensor_parallel_mlp(case, t, f=f, g=g)):
-            mine = reference_mlp_slices(*(whole[n] for n in MLP_NAMES), r, t)  # this rank's slices of the gradients
+    for t, ranks in zip(sizes, seen["mlp"]):
+        if not isinstance(ranks, list) or len(ranks) != t:
+            raise Wrong(f"the tensor-parallel MLP on t = {t} ranks: expected {t} ranks' results")
+        for r, got in enumerate(ranks):
+            mine = mlp_rank_slices(*(whole[n] for n in MLP_NAMES), r, t)  # this rank's slices of the gradients
             where = f"the tensor-parallel MLP (fc column-parallel after f, proj row-parallel before g) on t = {t} " \
                     f"ranks, rank {r}"
-            expect_close(got["y"], whole["y"], f"{where}: the output y", atol=1e-12, rtol=0)
-            expect_close(got["x"], whole["x"], f"{where}: dL/dx", atol=1e-12, rtol=0)
-            for name, expected in zip(MLP_NAMES, mine):
-                expect_close(got[name], expected, f"{where}: the gradient of its slice of {name}", atol=1e-12, rtol=0)
+            if not isinstance(got, dict):
+                raise Wrong(f"{where}: no results")
+            for name, expected in (("y", whole["y"]), ("x", whole["x"]), *zip(MLP_NAMES, mine)):
+                what = {"y": "the output y", "x": "dL/dx"}.get(name, f"the gradient of its slice of {name}")
+                if got.get(name) is None:
+                    raise Wrong(f"{where}: {what} is missing (no gradient reached it)")
+                expect_close(plain_array(got[name], f"{where}: {what}"), expected, f"{where}: {what}", atol=1e-12,
+                             rtol=0)
+
+
+def _copied(value):
+    """A deep copy of lists, tuples and dicts of arrays: what is sent to the student's process (its
+    writes come back into what was sent, never into the check's own arrays)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value.copy() if isinstance(value, np.ndarray) else value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,47 +569,86 @@ def _expect_slice(got, whole, expected, name: str, axis: int, what: str, r: int,
     raise Wrong(f"{head}; yours holds {lines} {_ranges(have)}{hint}")
 
 
-def check_mlp_slices(mlp_slices) -> None:
-    """Check: an MLP's slices on rank r."""
-    case = mlp_case(4, seed=12)  # C = 4, hidden 16
-    for t in (1, 2, 4):
-        for r in range(t):
-            got = mlp_slices(*(case[n].copy() for n in MLP_NAMES), r, t)
-            if not isinstance(got, (tuple, list)) or len(got) != 4:
-                raise Wrong("return the 4 arrays (fc_weight_r, fc_bias_r, proj_weight_r, proj_bias_r); "
-                            f"got {shown(got)}")
-            expected = reference_mlp_slices(*(case[n] for n in MLP_NAMES), r, t)
-            fc_w, fc_b, proj_w, proj_b = (np.asarray(a) if a is not None else None for a in got)
-            by_input = (case["fc_weight"].shape[0], case["fc_weight"].shape[1] // t)  # (4C, C/t)
-            if fc_w is not None and t > 1 and fc_w.shape == by_input:
-                raise Wrong(f"fc_weight on rank {r} of {t}: yours has shape {fc_w.shape}, a cut of its columns (input "
-                            f"features). fc is column-parallel in the paper's Y = X A, A of shape (in, out): it keeps "
-                            f"columns of A, output features. refimpl's Linear stores w = Aᵀ, shape (out, in), and "
-                            f"computes x wᵀ + b: the output features are the ROWS of w")
-            _expect_slice(fc_w, case["fc_weight"], expected[0], "fc_weight", 0, "its output features", r, t)
-            _expect_slice(fc_b, case["fc_bias"], expected[1], "fc_bias", 0,
-                          "the biases of its output features, like fc_weight's rows", r, t)
-            if proj_w is not None and t > 1 and proj_w.shape == (case["proj_weight"].shape[0] // t,
-                                                                  case["proj_weight"].shape[1]):
-                raise Wrong(f"proj_weight on rank {r} of {t}: yours has shape {proj_w.shape}, a cut of its rows "
-                            f"(output features). proj is row-parallel: rank r holds the hidden features fc gave it, "
-                            f"so it keeps proj's INPUT features, the columns of w (out, in)")
-            _expect_slice(proj_w, case["proj_weight"], expected[2], "proj_weight", 1,
-                          "its input features: the hidden features fc's rows give this rank", r, t)
-            if proj_b is None or proj_b.shape != case["proj_bias"].shape:
-                raise Wrong(f"proj_bias on rank {r} of {t} has shape {None if proj_b is None else proj_b.shape}: it "
-                            f"stays whole, {case['proj_bias'].shape}, on every rank. g sums the partial outputs "
-                            f"x_r w_rᵀ, and the bias is added once, after the sum (a slice of it would not even "
-                            f"match the output's width)")
-            if t > 1 and np.allclose(proj_b, case["proj_bias"] / t, rtol=1e-12, atol=0):
-                raise Wrong(f"proj_bias on rank {r} of {t} is the bias divided by t: the row-parallel layer adds the "
-                            f"whole bias once, after g's sum (RowParallelLinear: y = g(x_r w_rᵀ) + b), not a t-th of "
-                            f"it before the sum")
-            expect_close(proj_b, case["proj_bias"], f"proj_bias on rank {r} of {t} (whole, as given)", rtol=0, atol=0)
-    whole = mlp_whole(case)
-    for t in (2, 4):
-        for r, got in enumerate(tensor_parallel_mlp(case, t, slices=mlp_slices)):
-            expect_close(got["y"], whole["y"], f"the MLP's output on rank {r} of {t} with your slices")
+# Exercise 2: Llama's MLP, SwiGLU (Shazeer, arXiv 2002.05202), y = (SiLU(x W_gᵀ) ⊙ x W_uᵀ) W_dᵀ with
+# hidden width H and no biases; W_g and W_u fused in one weight gate_up (2H, C): W_g's rows, then W_u's.
+
+
+def reference_swiglu_slices(gate_up_weight, down_weight, r: int, t: int) -> tuple:
+    """refimpl's cut of a fused SwiGLU MLP (exercise 2's answer): block r of the hidden features of the
+    gate and of up (two blocks of the fused weight's rows), and the same features of down (its columns)."""
+    return WeightSplit(0, parts=2).shard(gate_up_weight, r, t), WeightSplit(1).shard(down_weight, r, t)
+
+
+def swiglu(x, gate_up_weight, down_weight):
+    """The SwiGLU MLP on plain arrays, as every rank runs it on its slices: h = x gate_upᵀ, split in
+    two halves (gate, up), SiLU(gate) ⊙ up, times downᵀ. On a rank, a partial output for g to sum."""
+    h = x @ gate_up_weight.T  # (N, 2H') for the H' hidden features held
+    gate, up = np.split(h, 2, axis=-1)  # (N, H') each
+    return (gate / (1 + np.exp(-gate)) * up) @ down_weight.T  # SiLU(z) = z σ(z); (N, H') @ (H', C) -> (N, C)
+
+
+def _features(rows, h: int) -> str:
+    """Which hidden features of the gate and of up the given rows of a fused (2H, C) weight are."""
+    parts = []
+    for part, name in enumerate(("gate", "up")):
+        mine = [i - part * h for i in rows if i // h == part]
+        parts.append(f"{name} features {_ranges(mine)}" if mine else f"no {name} features")
+    return ", ".join(parts)
+
+
+def check_swiglu_slices(swiglu_slices) -> None:
+    """Check: a fused SwiGLU MLP's slices on rank r."""
+    rng = np.random.default_rng(12)
+    for c, h, sizes in ((4, 8, (2, 4, 1)), (6, 12, (3, 2))):
+        x = rng.standard_normal((5, c))  # (N, C)
+        gate_up, down = rng.standard_normal((2 * h, c)), rng.standard_normal((c, h))  # (2H, C), (C, H)
+        whole = swiglu(x, gate_up, down)  # (N, C): one process
+        for t in sizes:
+            partial = []
+            for r in range(t):
+                got = swiglu_slices(gate_up.copy(), down.copy(), r, t)
+                if not isinstance(got, (tuple, list)) or len(got) != 2:
+                    raise Wrong(f"return the 2 arrays (gate_up_weight_r, down_weight_r); got {shown(got)}")
+                gw, dw = (None if a is None else np.asarray(a) for a in got)
+                expected_gw, expected_dw = reference_swiglu_slices(gate_up, down, r, t)
+                rows = _which(expected_gw, gate_up, 0)
+                first = (f"C = {c}, H = {h}, t = {t}: rank {r} holds hidden features {_ranges(rows[:h // t])}, so "
+                         f"gate_up's rows {_ranges(rows)} ({_features(rows, h)}; the gate is rows 0..{h - 1}, up "
+                         f"{h}..{2 * h - 1})")
+                if gw is None or gw.shape != expected_gw.shape:
+                    hint = ""
+                    if gw is not None and t > 1 and gw.shape == (2 * h, c // t):
+                        hint = (": a cut of its columns (input features). gate and up are column-parallel in the "
+                                "paper's sense, a cut of their output features, and refimpl's (out, in) layout "
+                                "stores those as rows")
+                    raise Wrong(f"{first}, a ({2 * h // t}, {c}) slice; yours has shape "
+                                f"{None if gw is None else gw.shape}{hint}")
+                if not np.array_equal(gw, expected_gw):
+                    have = _which(gw, gate_up, 0)
+                    if have is None:
+                        raise Wrong(f"{first}; yours holds numbers that are not rows of gate_up")
+                    hint = ""
+                    gate = have[:len(have) // 2]
+                    up = [i - h for i in have[len(have) // 2:]]
+                    if have == list(range(r * len(rows), (r + 1) * len(rows))):
+                        hint = (". That is a contiguous block of the fused weight: the rank's code splits its "
+                                "output in two halves and multiplies them feature by feature, SiLU(gate_j) · up_j, "
+                                "so the first half must be its features of the gate and the second the same "
+                                "features of up")
+                    elif all(i < h for i in gate) and all(0 <= i < h for i in up) and gate != up:
+                        hint = (". The halves hold different hidden features: SiLU(gate_j) multiplies up_j, the "
+                                "same feature j, so both halves need the same features, in the same order")
+                    raise Wrong(f"{first}; yours holds rows {_ranges(have)}, i.e. {_features(have, h)}{hint}")
+                if dw is not None and t > 1 and dw.shape == (c // t, h):
+                    raise Wrong(f"down_weight on rank {r} of {t}: yours has shape {dw.shape}, a cut of its rows "
+                                f"(output features). down is row-parallel: the rank holds only its hidden "
+                                f"features, so it keeps down's INPUT features, the columns of w (out, in), and g "
+                                f"sums the partial outputs")
+                _expect_slice(dw, down, expected_dw, "down_weight", 1,
+                              "its input features: the hidden features whose gate and up it holds", r, t)
+                partial.append(swiglu(x, gw, dw))
+            expect_close(sum(partial), whole, f"C = {c}, H = {h}, t = {t}: the sum over ranks of the partial "
+                                              f"outputs with your slices (one process's output)")
 
 
 def _heads(rows, c: int, d: int) -> str:
@@ -600,9 +701,9 @@ def check_qkv_slices(qkv_slices) -> None:
                                 + (f"shape {None if b is None else b.shape}" if have is None else _ranges(have)))
 
 
-__all__ = ["ThreadComm", "run_ranks", "mlp_layers", "slice_difference", "reference_mlp_slices", "reference_qkv_slices",
-           "mlp_case", "mlp_whole", "tensor_parallel_mlp", "check_conjugate_operators", "check_mlp_slices",
-           "check_qkv_slices"]
+__all__ = ["ThreadComm", "run_ranks", "mlp_rank_slices", "reference_swiglu_slices", "reference_qkv_slices", "swiglu",
+           "mlp_case", "mlp_whole", "tensor_parallel_mlp", "evaluate_conjugate_operators", "check_conjugate_operators",
+           "check_swiglu_slices", "check_qkv_slices"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,10 +29,11 @@ def conjugate_operators():
     return CopyToGroup, ReduceFromGroup
 
 
-def mlp_slices(fc_weight, fc_bias, proj_weight, proj_bias, r, t):
-    hidden = fc_weight.shape[0] // t  # 4C/t hidden features per rank
-    mine = slice(r * hidden, (r + 1) * hidden)
-    return fc_weight[mine].copy(), fc_bias[mine].copy(), proj_weight[:, mine].copy(), proj_bias.copy()
+def swiglu_slices(gate_up_weight, down_weight, r, t):
+    hidden = gate_up_weight.shape[0] // 2  # H: the gate's rows, then up's
+    mine = np.arange(r * hidden // t, (r + 1) * hidden // t)  # rank r's hidden features: block r of H/t
+    rows = np.concatenate([mine, hidden + mine])  # the same features of the gate and of up: SiLU(gate_j) · up_j
+    return gate_up_weight[rows], down_weight[:, mine]  # down: row-parallel, its input features (columns)
 
 
 def qkv_slices(qkv_weight, qkv_bias, n_head, r, t):
