@@ -7,7 +7,8 @@ Two classes implement all of it: local_trainer.LocalTrainer (one process, the re
 run is compared with; it imports nothing from refimpl.parallel) and parallel.trainer.Trainer
 (every distributed configuration). A trainer of your own (`verify --trainer MODULE:FUNCTION`,
 docs/verify_your_algorithm.md) needs only `Verifiable`'s members, and `MixedPrecisionVerifiable`'s
-for `verify --dtype mixed`.
+for `verify --dtype mixed`; `HoldsReplica`'s `local_records()` is optional (verify then checks
+the copy every rank holds, not only the whole model rank 0 returns).
 
 IMPLEMENTATION_FLAGS are the flags of `train` and `verify` that choose *how* a step is computed,
 not *what* it computes: a trainer that ignores one of them still computes the same numbers, so
@@ -54,6 +55,22 @@ class Verifiable(Protocol):
     def report(self) -> dict:
         """Plain facts for --json, nested under "trainer_report" (local: no communication; verify
         calls it once, at the end). Nothing in it changes verify's verdict."""
+
+
+@runtime_checkable
+class HoldsReplica(Verifiable, Protocol):
+    """Optional: what verify also reads where a trainer has it. full_parameters() and last_grads
+    give rank 0 the whole model, gathered from one copy of each piece (refimpl's pipelines take
+    data-parallel replica 0's stages), and the other ranks return what they hold whole, or nothing;
+    local_records() gives every rank's own copy, so that a replica that steps wrongly cannot hide
+    behind another one's."""
+
+    def local_records(self) -> dict:
+        """{"parameters": {name: array}, "gradients": {name: array}} (collective): this rank's own
+        parameters and the last step's gradients (with record_grads), whole and by the whole model's
+        names, of the part of the model it holds (slices or shards joined with those of the ranks it
+        shares them with). verify checks each against rank 0's tensor of the same name (a hash), and
+        one that differs against the reference."""
 
 
 @runtime_checkable

@@ -22,6 +22,7 @@ from refimpl.tools.testing import VerifyError, assert_trains_like_reference, run
 from refimpl.tools.verification import flags_used, float32_hint
 
 DISHONEST = REPO / "tests" / "trainers" / "dishonest.py"
+BROKEN = REPO / "tests" / "trainers" / "broken.py"
 EXAMPLE = REPO / "docs" / "examples" / "flat_allreduce_trainer.py"
 SMALL = ["--n-layer", "1", "--d-model", "8", "--n-head", "2", "--seq-len", "8", "--batch-size", "4"]
 
@@ -76,6 +77,27 @@ def test_ranks_other_than_0_that_drop_the_reduced_gradient_fail_at_the_first_ste
     assert result["records_by_rank"] == [{"parameters": 17, "gradients": 17}] * 2
 
 
+@pytest.mark.mpi
+def test_a_data_parallel_replica_of_a_later_pipeline_stage_is_checked_on_its_own_rank():
+    # dp 2 x pp 2: rank 0 gathers the whole model from replica 0's stages (ranks 0 and 1); rank 3, the
+    # other replica of stage 1, steps with twice the learning rate: only its own copy (local_records()) shows it
+    pipeline = ["--pp", "2", "--n-layer", "2", "--micro-batches", "2", "--steps", "1"]
+    done = verify(4, "--trainer", f"{BROKEN}:replica_lr_doubled", *pipeline, "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = last_json(done)
+    assert result["ok"] is False and result["worst_rank"] == 3 and result["worst_what"] == "parameter"
+    assert result["tolerance_used"] > 1e6 and result["per_step"][0]["ranks_differing_from_rank0"] == [3]
+    assert len(result["problems"]) == 1 and result["problems"][0].startswith(
+        "rank 3: step 0: the copy it holds (local_records()) is not rank 0's and fail: largest difference in "
+        "parameter "), result["problems"]
+    assert "verify FAIL: Trainer on 4 process(es)" in done.stderr and " on rank 3, passes at <= 1" in done.stderr
+    right = last_json(verify(4, *pipeline, "--json"))
+    assert right["ok"] is True and right["per_step"][0]["ranks_differing_from_rank0"] == []
+    # rank 0 returns the whole model (29 tensors), the others nothing; each holds its stage: 14 or 15 tensors
+    assert right["records_by_rank"] == [{"parameters": p, "gradients": p, "local_parameters": h, "local_gradients": h}
+                                        for p, h in ((29, 14), (0, 14), (0, 15), (0, 15))]
+
+
 # -- a PASS that says what it checked ---------------------------------------------------------------
 
 def test_the_pass_line_and_the_json_list_the_configuration_checked():
@@ -108,6 +130,7 @@ def test_the_pass_line_and_the_json_list_the_configuration_checked():
      "error: --dtype mixed: DataParallel lacks full_optimizer_state, optimizer_steps (refimpl/protocols.py, "
      "MixedPrecisionVerifiable"),
     (["--trainer-fn", "report_not_a_dict"], "DataParallel.report() returned list ['ok']; it returns a dict"),
+    (["--trainer-fn", "local_records_not_a_dict"], "DataParallel.local_records() returned list [{'wte.weight': "),
 ])
 def test_a_flag_the_trainer_does_not_declare_and_a_bad_declaration_are_one_line(args, expected):
     function = args[args.index("--trainer-fn") + 1] if "--trainer-fn" in args else "honest"

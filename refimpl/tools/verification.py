@@ -16,8 +16,12 @@ tensor and the side.
 Every rank is checked, not rank 0 alone: after each step every rank fingerprints (SHA-256) the
 loss, gradients and parameters it returns, rank 0 broadcasts its fingerprints, and a rank whose
 records are not bit for bit rank 0's sends those that differ; rank 0 compares them with the
-reference too (a replica that dropped the reduced gradient fails at the first step). A rank that
-holds no whole parameter (a pipeline's later stages, which send theirs to rank 0) returns none.
+reference too (a replica that dropped the reduced gradient fails at the first step). In a
+pipeline rank 0 returns the whole model, gathered from one copy of each stage, and the other ranks
+return nothing; a trainer with local_records() (optional, protocols.HoldsReplica; refimpl's own has
+it) also gives every rank's own copy of what it holds, each tensor checked the same way against
+rank 0's of the same name, so that a data-parallel replica of a later stage that steps wrongly fails
+too, naming its rank.
 
 The verdict is verify's alone. The trainer's report() is called once, at the end, and kept under
 "trainer_report"; what verify's logic reads from a trainer is a protocol member
@@ -64,6 +68,8 @@ from refimpl.tools.runtime import preflight, watchdog
 from refimpl.tools.runtime.agreement import check_same_run
 
 FLOAT32_UNIT_ROUNDOFF = 2.0 ** -24  # float32 rounds a real x to x(1 + δ), |δ| ≤ u: no rtol below about 1e-7 holds
+KINDS = ("grads", "params", "local_grads", "local_params")  # the tensors of one rank's records of one step
+LOCAL = {"local_grads": "grads", "local_params": "params"}  # its own copy (local_records()), checked against rank 0's
 
 # -- the trainer under test ----------------------------------------------------------------------
 
@@ -156,6 +162,8 @@ def configuration(cfg, world_size: int, declared) -> dict:
     or a pipeline's schedule and micro-batches, the others where they differ from their default)."""
     flags = {"--model": cfg.model, "--dtype": cfg.dtype, "--optimizer": cfg.optimizer, "--clip": cfg.clip,
              "--collectives": cfg.collectives}
+    if getattr(cfg, "arch", "gpt2") != "gpt2":
+        flags.update({"--arch": cfg.arch, "--kv-heads": cfg.kv_heads, "--ffn-size": cfg.ffn_size})
     if cfg.dropout:
         flags["--dropout"] = cfg.dropout
     if cfg.experts:
@@ -206,14 +214,23 @@ class _InjectInf:
             handle.remove()
 
 
-def _check_records(trainer, loss, params, grads) -> None:
-    """What a trainer hands verify must be what the protocol says (protocols.Verifiable): a bad
-    return value is one line naming the member and what it returned, not a traceback deep inside."""
+def _check_records(trainer, loss, params, grads, local=None) -> None:
+    """What a trainer hands verify must be what the protocol says (protocols.Verifiable, and
+    HoldsReplica's local_records() where it has one): a bad return value is one line naming the
+    member and what it returned, not a traceback deep inside."""
     name = type(trainer).__name__
     if isinstance(loss, bool) or not isinstance(loss, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name}.step returned {type(loss).__name__} {_shown(loss)}; it returns the global "
                          "batch's loss, a number")
-    for member, records in (("full_parameters()", params), ("last_grads", grads)):
+    members = [("full_parameters()", params), ("last_grads", grads)]
+    if local is not None:
+        if not isinstance(local, dict) or set(local) != {"parameters", "gradients"}:
+            raise ValueError(f"{name}.local_records() returned {type(local).__name__} {_shown(local)}; it returns "
+                             "{\"parameters\": {name: array}, \"gradients\": {name: array}} (refimpl/protocols.py, "
+                             "HoldsReplica)")
+        members += [("local_records()['parameters']", local["parameters"]),
+                    ("local_records()['gradients']", local["gradients"])]
+    for member, records in members:
         if not isinstance(records, dict):
             raise ValueError(f"{name}.{member} is {type(records).__name__} {_shown(records)}; it is a dict "
                              "{parameter name: array}")
@@ -236,8 +253,8 @@ def _copied(records: dict) -> dict:
 def _fingerprints(ours: dict) -> dict:
     """{(kind, name): SHA-256 of the bytes, dtype and shape} of one rank's records of one step."""
     prints = {("loss", ""): repr(float(ours["loss"])), ("skipped", ""): repr(ours["skipped"])}
-    for kind in ("grads", "params"):
-        for name, array in ours[kind].items():
+    for kind in KINDS:
+        for name, array in ours.get(kind, {}).items():
             array = np.ascontiguousarray(array)
             prints[(kind, name)] = hashlib.sha256(array.tobytes()).hexdigest() + f"{array.dtype}{array.shape}"
     return prints
@@ -246,39 +263,46 @@ def _fingerprints(ours: dict) -> dict:
 def _differences_from_rank0(world, ours: dict) -> dict:
     """{rank: {its records that are not bit for bit rank 0's}} on rank 0, {} elsewhere (collective).
 
-    Rank 0 broadcasts fingerprints, not arrays: in the usual case (every replica equal) only hashes travel."""
-    if world.size == 1:
-        return {}
-    rank0 = world.bcast_object(_fingerprints(ours) if world.rank == 0 else None)
-    differing = None
-    if world.rank != 0:
-        mine = _fingerprints(ours)
-        differing = {kind: {name: array for name, array in ours[kind].items()
-                            if mine[(kind, name)] != rank0.get((kind, name))} for kind in ("grads", "params")}
-        for kind in ("loss", "skipped"):
-            if mine[(kind, "")] != rank0[(kind, "")]:
-                differing[kind] = ours[kind]
-        if not (differing["grads"] or differing["params"] or "loss" in differing or "skipped" in differing):
-            differing = None
-    gathered = world.allgather_object(differing)
+    A rank's own copy (local_grads, local_params: local_records()) is checked against rank 0's
+    whole-model records of the same name, rank 0's own copy included. Rank 0 broadcasts
+    fingerprints, not arrays: in the usual case (every replica equal) only hashes travel."""
+    mine = _fingerprints(ours)
+    theirs = {key: value for key, value in mine.items() if key[0] not in LOCAL}  # rank 0's whole-model records
+    rank0 = world.bcast_object(theirs if world.rank == 0 else None) if world.size > 1 else theirs
+    differing = {kind: {name: array for name, array in ours.get(kind, {}).items()
+                        if mine[(kind, name)] != rank0.get((LOCAL.get(kind, kind), name))}
+                 for kind in KINDS if world.rank != 0 or kind in LOCAL}
+    for kind in ("loss", "skipped"):
+        if mine[(kind, "")] != rank0[(kind, "")]:
+            differing[kind] = ours[kind]
+    if not (any(differing.get(kind) for kind in KINDS) or "loss" in differing or "skipped" in differing):
+        differing = None
+    gathered = world.allgather_object(differing) if world.size > 1 else [differing]
     return {rank: d for rank, d in enumerate(gathered) if d} if world.rank == 0 else {}
 
 
 def _with_replicas(step: int, ours: dict, c: Comparison, compare) -> tuple[Comparison, int]:
-    """Rank 0's comparison `c` of one step merged with every other rank's whose records differ from
-    rank 0's (ours["replicas"]); and the rank of the largest difference."""
+    """Rank 0's comparison `c` of one step merged with every rank's whose records differ from rank
+    0's (ours["replicas"]): what it returns, and apart from that its own copy (local_records()), each
+    put in place of rank 0's tensors of the same names; and the rank of the largest difference."""
     worst_rank = 0
     for rank, differing in sorted(ours["replicas"].items()):
-        replica = {"loss": differing.get("loss", ours["loss"]), "skipped": differing.get("skipped", ours["skipped"]),
-                   "grads": {**ours["grads"], **differing["grads"]},
-                   "params": {**ours["params"], **differing["params"]}}
-        r = compare(replica)
-        r.problems = [] if r.ok else [f"rank {rank}: {p}" for p in r.problems if p not in c.problems] + [
-            f"rank {rank}: step {step}: its records are not rank 0's and fail: largest difference in {labelled(r)} "
-            f"(tolerance used {r.tolerance_used:.3g})"]
-        if r.tolerance_used > c.tolerance_used:
-            worst_rank = rank
-        c = c.merge(r)
+        for own in (False, True):
+            grads, params = (differing.get("local_grads", {}), differing.get("local_params", {})) if own else \
+                (differing.get("grads", {}), differing.get("params", {}))
+            if not (grads or params or (not own and ("loss" in differing or "skipped" in differing))):
+                continue
+            replica = {"loss": differing.get("loss", ours["loss"]),
+                       "skipped": differing.get("skipped", ours["skipped"]),
+                       "grads": {**ours["grads"], **grads}, "params": {**ours["params"], **params}}
+            r = compare(replica)
+            what = "the copy it holds (local_records()) is" if own else "its records are"
+            r.problems = [] if r.ok else [f"rank {rank}: {p}" for p in r.problems if p not in c.problems] + [
+                f"rank {rank}: step {step}: {what} not rank 0's and fail: largest difference in {labelled(r)} "
+                f"(tolerance used {r.tolerance_used:.3g})"]
+            if r.tolerance_used > c.tolerance_used:
+                worst_rank = rank
+            c = c.merge(r)
     return c, worst_rank
 
 
@@ -368,6 +392,7 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
     trainer = build_trainer(cfg, comm, factory, distributed_model)
     declared = check_trainer(trainer, cfg)  # before the first step: what it implements, what mixed reads
     trainer.record_grads = True
+    holds_replica = callable(getattr(trainer, "local_records", None))  # optional (protocols.HoldsReplica)
     recorded, sent = [], 0
     for step in range(cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
@@ -381,13 +406,19 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
             hook.remove()
         params = trainer.full_parameters()
         state = trainer.full_optimizer_state() if mixed else None  # for the lockstep reference
-        _check_records(trainer, loss, params, trainer.last_grads)
+        local = trainer.local_records() if holds_replica else None  # this rank's own copy (collective)
+        _check_records(trainer, loss, params, trainer.last_grads, local)
         ours = {"loss": float(loss), "grads": _copied(trainer.last_grads), "params": _copied(params),
                 "skipped": bool(mixed and trainer.optimizer_steps == steps_before)}
+        if local is not None:
+            ours.update(local_grads=_copied(local["gradients"]), local_params=_copied(local["parameters"]))
         replicas = _differences_from_rank0(world, ours)
         if world.rank == 0:
-            recorded.append({**ours, "state": state, "replicas": replicas})
-    held = world.allgather_object((len(ours["params"]), len(ours["grads"])))  # what each rank returned, at the end
+            recorded.append({**{k: v for k, v in ours.items() if k not in LOCAL}, "state": state,
+                             "replicas": replicas})
+    held = world.allgather_object({"parameters": len(ours["params"]), "gradients": len(ours["grads"]),
+                                   **({"local_parameters": len(ours["local_params"]),
+                                       "local_gradients": len(ours["local_grads"])} if local is not None else {})})
     trainer_report = trainer.report()  # once, at the end: facts for --json, never part of the verdict
     if not isinstance(trainer_report, dict):
         raise ValueError(f"{type(trainer).__name__}.report() returned {type(trainer_report).__name__} "
@@ -455,7 +486,7 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
                   "problems": total.problems, "steps": cfg.steps, "world_size": world.size,
                   "rtol": None if mixed else rtol, "atol": None if mixed else atol,
                   "trainer": type(trainer).__name__, "configuration": conf, "checked": described(conf),
-                  "records_by_rank": [{"parameters": p, "gradients": g} for p, g in held],
+                  "records_by_rank": held,  # how many tensors each rank returned (and holds: local_records)
                   "skipped_steps": sum(s["skipped"] for s in per_step),
                   "reference_skipped_steps": sum(s["reference_skipped"] for s in per_step),
                   "per_step": per_step, "trainer_report": trainer_report}

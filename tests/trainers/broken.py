@@ -3,6 +3,10 @@
 nan_on_step_1      refimpl's data-parallel trainer, except that on rank 1 the gradient of the
                    last parameter becomes NaN during step 1 (the all-reduce spreads it to every rank)
 no_step            lacks step(): not a trainer
+replica_lr_doubled refimpl's trainer, except that the optimizer of the last data-parallel replica of
+                   the last pipeline stage (rank 3 of --pp 2 on 4 ranks) takes twice the learning
+                   rate: every other rank is right, and so is the whole model rank 0 gathers (from
+                   replica 0's stages); only that rank's own copy of its stage is wrong
 """
 
 import numpy as np
@@ -39,3 +43,11 @@ class NoStep:
 
 def no_step(cfg, model, world):
     return NoStep()
+
+
+def replica_lr_doubled(cfg, model, world):
+    trainer = make_trainer(cfg, model, world, distributed=True)
+    mesh = trainer.mesh
+    if mesh.dp > 1 and (mesh.dp_index, mesh.pp_index) == (mesh.dp - 1, mesh.pp - 1):
+        trainer.sharding.optimizer.lr *= 2
+    return trainer

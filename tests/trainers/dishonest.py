@@ -11,6 +11,7 @@ declares_a_string         implements = "--pp": not a set of flags
 declares_unknown_flag     implements = {"--turbo"}: not a flag that chooses how a step is computed
 mixed_without_state       declares --dtype (mixed) but lacks optimizer_steps and full_optimizer_state
 report_not_a_dict         report() returns a list
+local_records_not_a_dict  local_records() (optional) returns a list
 counts_reports            report() says how often it was called and after how many steps
 """
 
@@ -121,6 +122,12 @@ def mixed_without_state(cfg, model, world):
 def report_not_a_dict(cfg, model, world):
     trainer = DataParallel(cfg, model, world)
     trainer.report = lambda: ["ok"]
+    return trainer
+
+
+def local_records_not_a_dict(cfg, model, world):
+    trainer = DataParallel(cfg, model, world)
+    trainer.local_records = lambda: [trainer.full_parameters()]
     return trainer
 
 
