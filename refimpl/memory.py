@@ -302,7 +302,7 @@ def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1
     only on a stage without the embedding. t divides h (it divides the heads), so every split is exact.
     """
     if arch == "llama":
-        return llama_parameter_tensors(vocab, h, blocks, kv_width or h, ffn or 4 * h, tied, embedding, head)
+        return llama_parameter_tensors(vocab, h, blocks, kv_width or h, ffn or 4 * h, tied, embedding, head, tp)
     t, V = tp, -(-vocab // tp) * tp
     moe = expert_blocks(blocks, experts, moe_every)
     dense, mine = blocks - moe, moe * (experts // ep)  # blocks with the dense MLP; this rank's expert MLPs
@@ -322,19 +322,24 @@ def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1
 
 
 def llama_parameter_tensors(vocab: int, h: int, blocks: int, kv_width: int, ffn: int, tied: bool = False,
-                            embedding: bool = True, head: bool = True) -> list[tuple[int, int, str]]:
-    """The GPT with --arch llama (nn/layers.py's LlamaBlock) on one process, tensor by tensor, as
+                            embedding: bool = True, head: bool = True, tp: int = 1) -> list[tuple[int, int, str]]:
+    """The GPT with --arch llama (nn/layers.py's LlamaBlock) as one rank holds it, tensor by tensor, as
     gpt_parameter_tensors: width h, key/value width kv_width = kv_heads·h/n_head, SwiGLU width F.
     No biases and no position table; per block 2h² + 2h·kv_width + 3h·F + 2h (wq, wo; wk, wv;
-    w1, w3, w2; two RMSNorm gains). Multi-head attention (kv_width = h) with F = 4h gives 16h² + 2h."""
+    w1, w3, w2; two RMSNorm gains). Multi-head attention (kv_width = h) with F = 4h gives 16h² + 2h.
+    Over t tensor-parallel ranks (tensor_parallel/gpt.py) every matrix is "split": wq, wk, wv, w1, w3
+    by rows, wo, w2 by columns, wte and lm_head by vocabulary rows of V' = V rounded up to a multiple
+    of t; the RMSNorm gains are "whole". t divides the heads, the key/value heads and F (refused
+    otherwise), so every split is exact."""
+    t, V = tp, -(-vocab // tp) * tp
     return [
-        (vocab * h, int(embedding), "whole"),  # wte (V, h)
+        (V * h // t, int(embedding), "split"),  # wte (V', h)
         (h, 2 * blocks, "whole"),  # the two RMSNorm gains of each block
-        (h * h, 2 * blocks, "whole"),  # wq, wo
-        (h * kv_width, 2 * blocks, "whole"),  # wk, wv
-        (h * ffn, 3 * blocks, "whole"),  # w1 (gate), w3 (up), w2 (down)
+        (h * h // t, 2 * blocks, "split"),  # wq (rows), wo (columns)
+        (h * kv_width // t, 2 * blocks, "split"),  # wk, wv (rows)
+        (h * ffn // t, 3 * blocks, "split"),  # w1 (gate), w3 (up) by rows, w2 (down) by columns
         (h, int(head), "whole"),  # ln_f (RMSNorm)
-        (vocab * h, int(head and not (tied and embedding)), "whole"),  # lm_head (V, h)
+        (V * h // t, int(head and not (tied and embedding)), "split"),  # lm_head (V', h)
     ]
 
 
@@ -455,6 +460,9 @@ def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequen
     block saves q (N·h), k and v (N·kv_width each, not copied per query head), the heads' output
     (N·h) and SwiGLU's gate, up projection and output (N·F each):
     (4 + 2[p])·N·h + 2N + 2·N·h + 2·N·kv_width + 3·N·F + (1 + 2[p])·b·a·s².
+    Over t tensor-parallel ranks (tensor_parallel/gpt.py) the terms divide as GPT-2's do, except
+    under sequence parallelism: the two projection groups (wq, wk, wv; w1, w3) keep the whole
+    gathered input, 2·N·h on every rank ("whole"), where GPT-2's GatherThenLinear keeps its 1/t shard.
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
@@ -467,6 +475,8 @@ def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequen
         split = 2 * N * h + 2 * N * (kv_width or h) + 3 * N * (ffn or 4 * h)
     attention = 0 if recompute == "selective" else (1 + 2 * p) * b * a * s * s
     out = {"whole": 0, "split": (whole + split) // tp} if sequence_parallel else {"whole": whole, "split": split // tp}
+    if arch == "llama" and sequence_parallel and tp > 1:  # the gathered projection inputs, whole
+        out = {"whole": 2 * N * h, "split": (whole - 2 * N * h + split) // tp}
     out["attention"] = attention // tp
     if experts:
         out["experts"] = N * expert_elements_per_token(h, experts, top_k)
@@ -475,10 +485,11 @@ def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequen
 
 def saved_bytes_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
                           dropout: bool = False, recompute: str = "none", partitioned: bool = False,
-                          itemsize: int = 8) -> int:
+                          itemsize: int = 8, arch: str = "gpt2", kv_width: int | None = None,
+                          ffn: int | None = None) -> int:
     """saved_elements_per_block's total, at `itemsize` bytes per element."""
     return itemsize * sum(saved_elements_per_block(b, s, h, a, tp, sequence_parallel, dropout, recompute,
-                                                   partitioned).values())
+                                                   partitioned, arch=arch, kv_width=kv_width, ffn=ffn).values())
 
 
 def saved_elements_outside_blocks(b: int, s: int, h: int, vocab: int, dropout: bool = False, tp: int = 1) -> dict:

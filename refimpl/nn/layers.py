@@ -244,9 +244,13 @@ class SwiGLU(Module):
         self.w1 = Linear(d_model, ffn_size, rng, bias=False, std=std, dtype=dtype)  # the gate
         self.w3 = Linear(d_model, ffn_size, rng, bias=False, std=std, dtype=dtype)  # the up projection
         self.w2 = Linear(ffn_size, d_model, rng, bias=False, std=last_std, dtype=dtype)  # the down projection
+        # How the two projections that read x run: None, each on x; or a callable (linears, x) -> outputs,
+        # which tensor parallelism installs (one f for both; refimpl/parallel/tensor_parallel/gpt.py)
+        self.input_runner = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.swiglu(self.w1(x), self.w3(x)))  # (B, T, C) -> (B, T, F) -> (B, T, C)
+        gate, up = run_projections(self.input_runner, [self.w1, self.w3], x)  # (B, T, F) each
+        return self.w2(F.swiglu(gate, up))  # (B, T, F) -> (B, T, C)
 
 
 class GroupedQueryAttention(Module):
@@ -268,8 +272,8 @@ class GroupedQueryAttention(Module):
                  rope_base: float = 10000.0) -> None:
         super().__init__()
         check_llama_shape(d_model, n_head, kv_heads)
-        self.n_head, self.kv_heads, self.rope_base = n_head, kv_heads, rope_base
-        d_head = d_model // n_head
+        self.n_head, self.kv_heads, self.rope_base = n_head, kv_heads, rope_base  # tensor parallel: H/t, Hkv/t
+        self.d_head = d_head = d_model // n_head
         self.wq = Linear(d_model, d_model, rng, bias=False, std=0.02, dtype=dtype)
         self.wk = Linear(d_model, kv_heads * d_head, rng, bias=False, std=0.02, dtype=dtype)
         self.wv = Linear(d_model, kv_heads * d_head, rng, bias=False, std=0.02, dtype=dtype)
@@ -278,20 +282,22 @@ class GroupedQueryAttention(Module):
         self.resid_dropout = Dropout(dropout, seed + 1)
         self.mask = backend.asarray(np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1))  # True above the diagonal
         self.core_runner = None  # as CausalSelfAttention's: selective recomputation may install one
+        self.input_runner = None  # as SwiGLU's: tensor parallelism runs wq, wk, wv after one f
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        H, Hkv = self.n_head, self.kv_heads
-        G, D = H // Hkv, C // H
+        q, k, v = run_projections(self.input_runner, [self.wq, self.wk, self.wv], x)  # (B, T, H·D), (B, T, Hkv·D) x 2
+        B, T = q.shape[0], q.shape[1]  # T: the whole sequence (sequence parallelism gathers it in the projections)
+        H, Hkv, D = self.n_head, self.kv_heads, self.d_head
+        G = H // Hkv
         positions = backend.xp().arange(T)  # (T,): global positions of the whole sequence
-        q = self.wq(x).reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-        k = self.wk(x).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
-        v = self.wv(x).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
+        q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+        k = k.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
+        v = v.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
         q = F.rotary(q, positions, self.rope_base).reshape(B, Hkv, G, T, D)  # (B, Hkv, G, T, D)
         k = F.rotary(k, positions, self.rope_base).transpose(0, 1, 3, 2).reshape(B, Hkv, 1, D, T)  # (B, Hkv, 1, D, T)
         v = v.reshape(B, Hkv, 1, T, D)  # (B, Hkv, 1, T, D)
         y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
-        y = y.reshape(B, H, T, D).transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C): head j·G + i at j·G + i
+        y = y.reshape(B, H, T, D).transpose(0, 2, 1, 3).reshape(B, T, H * D)  # (B, T, C): head j·G + i at j·G + i
         return self.resid_dropout(self.wo(y))
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -299,6 +305,11 @@ class GroupedQueryAttention(Module):
         T, D = q.shape[-2], q.shape[-1]
         att = F.causal_softmax(q @ k, self.mask[:T, :T], 1.0 / math.sqrt(D))  # (B, Hkv, G, T, T)
         return self.attn_dropout(att) @ v  # (B, Hkv, G, T, D)
+
+
+def run_projections(runner, linears: list, x: Tensor) -> list:
+    """The linears that read the same input x: each called on x, or as `runner` (linears, x) runs them."""
+    return [linear(x) for linear in linears] if runner is None else runner(linears, x)
 
 
 def check_llama_shape(d_model: int, n_head: int, kv_heads: int, ffn_size: int | None = None) -> None:

@@ -51,8 +51,9 @@ executor, DualPipe's copies, the gradient strategies, the further layers. Timing
 tracing the pipeline are not the trainer's: a tool installs an observer on its executor
 (pipeline/executor.py, `Observer`; refimpl/tools/timeline.py), whose figures report() includes.
 
-What every trainer provides (verify, train, checkpoints and the memory ledger rely on it) is
-refimpl/protocols.py's `Trainer`.
+What every trainer provides (verify, train, checkpoints and the memory ledger rely on it) is in
+refimpl/protocols.py: `Verifiable`, with `HoldsReplica`, `MixedPrecisionVerifiable` and
+`Checkpointable`, all of which this trainer implements.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def _check_options(model, pp, tp, sequence_parallel, partition_activations, chec
         raise ValueError(f"--pp must be a positive integer (pipeline ranks), got {pp!r}")
     gpt = model.config if isinstance(model, GPT) else None
     check_options(tp, sequence_parallel, partition_activations, checkpoint or "none",
-                  "gpt" if gpt else type(model).__name__, gpt.n_head if gpt else 1, gpt.seq_len if gpt else 0)
+                  "gpt" if gpt else type(model).__name__, gpt.n_head if gpt else 1, gpt.seq_len if gpt else 0,
+                  *((gpt.n_kv_heads, gpt.ffn_width) if gpt and gpt.arch == "llama" else ()))
     if grad_accum <= 0:
         raise ValueError(f"--grad-accum must be positive, got {grad_accum}")
     if (pp > 1 or schedule is not None) and grad_accum != 1:
@@ -144,6 +146,7 @@ class Trainer:
         self.scaler = getattr(self.sharding, "scaler", None)
         self.record_grads = False
         self.last_grads: dict = {}
+        self.held_grads: dict = {}  # the gradients of this rank's stages, whole (local_records)
         self.steps_done = 0  # the global batch's number (dropout masks are keyed by it)
 
     def _cut_over_tensor_parallel(self, model, sequence_parallel: bool, partition_activations: bool):
@@ -293,8 +296,10 @@ class Trainer:
         norm2 = self._squared_norm_with_experts(grads) if self.expert_sharding is not None and self.clip > 0 else None
         results = [strategy.optimizer_step(g, norm2) for strategy, g in zip(self.strategies, grads)]  # 5. the update
         if self.record_grads:
-            self.last_grads = self._on_rank0(self._merge_by_name([strategy.gather_by_name(result.grads)
-                                                          for strategy, result in zip(self.strategies, results)]))
+            self.held_grads = self._whole_slices(self._merge_by_name([strategy.gather_by_name(result.grads)
+                                                                      for strategy, result in zip(self.strategies,
+                                                                                                  results)]))
+            self.last_grads = self._on_rank0(self.held_grads)
         for strategy, result in zip(self.strategies, results):
             strategy.end_step(result)
         self.steps_done += 1
@@ -342,7 +347,18 @@ class Trainer:
     def full_parameters(self) -> dict:
         """{name: NumPy array} of the whole model (collective). Without a pipeline every rank gets
         it; with one, rank 0 (the others get {}). Mixed precision: the float32 master weights."""
-        return self._on_rank0(self._merge_by_name([strategy.whole_parameters() for strategy in self.strategies]))
+        return self._on_rank0(self._held_parameters())
+
+    def local_records(self) -> dict:
+        """{"parameters", "gradients"}: {name: whole array} of this rank's own stages (collective): its
+        copy, not the one rank 0 gathers from data-parallel replica 0, so that verify checks every
+        replica. Slices are joined over the tp group, ZeRO shards gathered over the dp group, experts
+        over the ep group; the gradients are the last step's with record_grads."""
+        return {"parameters": self._held_parameters(), "gradients": self.held_grads}
+
+    def _held_parameters(self) -> dict:
+        """{name: whole array} of this rank's stages (collective over its tp, dp and ep groups)."""
+        return self._whole_slices(self._merge_by_name([strategy.whole_parameters() for strategy in self.strategies]))
 
     def full_optimizer_state(self) -> dict:
         """{"step", "arrays": {key: {name: array}}, "loss_scaler"} on rank 0 (collective; ZeRO strategies).
@@ -350,7 +366,7 @@ class Trainer:
         verify --dtype mixed hands it to the single-process reference before each step, so that
         each step is compared from the same state (compare_mixed.py, "lockstep")."""
         state = self.sharding.whole_optimizer_state()
-        state["arrays"] = {key: self._on_rank0(arrays) for key, arrays in state["arrays"].items()}
+        state["arrays"] = {key: self._on_rank0(self._whole_slices(arrays)) for key, arrays in state["arrays"].items()}
         return state
 
     def model_for_evaluation(self, model, build):
@@ -390,14 +406,17 @@ class Trainer:
                              "--tp 1 --ep 1")
         self.sharding.load_full_state(masters, states, step)
 
+    def _whole_slices(self, mine: dict) -> dict:
+        """{name: whole array} from this rank's {name: slice} (collective over the tp group:
+        TensorParallelGPT.gather_by_name); `mine` itself without tensor parallelism."""
+        return mine if self.tensor_parallel is None else self.tensor_parallel.gather_by_name(mine)
+
     def _on_rank0(self, mine: dict) -> dict:
-        """{name: array} of the whole model from each rank's {name: array} of its stages (collective
-        over the pipeline and the tp group; with expert parallelism `mine` already holds every
-        expert, _whole). The tp group first puts its slices together (TensorParallelGPT.whole).
-        Without a pipeline that is whole. Stage s comes from pipeline rank primary[s] of replica 0,
-        tp rank 0: one message of its arrays flattened in model order (stage_names, whole_shapes)."""
-        if self.tensor_parallel is not None:
-            mine = self.tensor_parallel.gather_by_name(mine)
+        """{name: array} of the whole model from each rank's {name: whole array} of its stages
+        (collective over the pipeline; with expert parallelism `mine` already holds every expert,
+        _merge_by_name, and with tensor parallelism whole arrays, _whole_slices). Without a pipeline
+        that is whole. Stage s comes from pipeline rank primary[s] of replica 0, tp rank 0: one
+        message of its arrays flattened in model order (stage_names, whole_shapes)."""
         if not self.pipelined or self.pp == 1:
             return mine
         out: dict = {}

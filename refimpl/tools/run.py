@@ -184,12 +184,12 @@ class TrainConfig:
             raise ValueError("--arch llama is a GPT's block; use it with --model gpt")
         check_llama_shape(self.d_model, self.n_head, self.n_head if self.kv_heads is None else self.kv_heads,
                           self.ffn_size)
-        not_yet = [(self.tp > 1, "--tp"), (self.pp > 1 or self.schedule is not None, "--pp"),
-                   (self.experts > 0, "--experts"), (self.ep > 1, "--ep")]
+        not_yet = [(self.experts > 0, "--experts"), (self.ep > 1, "--ep")]
         for given, flag in not_yet:
             if given:
                 raise ValueError(f"--arch llama does not yet run with {flag}; drop {flag} (data parallelism, ZeRO "
-                                 f"0-3 and activation checkpointing run it), or use --arch gpt2")
+                                 f"0-3, pipelines, tensor parallelism and activation checkpointing run it), or use "
+                                 f"--arch gpt2")
 
     def check_experts(self) -> None:
         """--experts, --top-k, --moe-every, --capacity-factor, --aux-coef and --ep: one line each."""
@@ -231,8 +231,10 @@ class TrainConfig:
         """--tp, --sequence-parallel and --partition-activations against the model (the world size is
         the mesh's check)."""
 
+        llama = self.arch == "llama"  # its key/value heads and SwiGLU width are split too
         check_options(self.tp, self.sequence_parallel, self.partition_activations, self.checkpoint, self.model,
-                      self.n_head, self.seq_len)
+                      self.n_head, self.seq_len, (self.kv_heads or self.n_head) if llama else None,
+                      (self.ffn_size or 4 * self.d_model) if llama else None)
         if self.tp > 1 and (self.save_dir or self.resume):
             raise ValueError("sharded checkpoints (--save-dir, --resume) of tensor-parallel runs are not written yet; "
                              "use --tp 1 to save or resume")

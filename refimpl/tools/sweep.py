@@ -9,7 +9,8 @@ revolve), the MLP, and, where the world size allows, every pipeline schedule on 
 (with every ZeRO stage and checkpointing inside the stages), and tensor parallelism (tp 2 or 4,
 with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
 stage, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
-parallelism over 1, 2 or 4 ranks) without tensor parallelism. All in float64 with small models,
+parallelism over 1, 2 or 4 ranks) without tensor parallelism; the GPT's block is GPT-2's or, without
+experts, Llama's (grouped-query attention, SwiGLU; docs/llama.md). All in float64 with small models,
 2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py). A trainer of your
 own (`verify --sweep N --trainer ...`) gets only the flags it declares in `implements`
 (protocols.py): the others keep their defaults.
@@ -143,7 +144,22 @@ def draw_flags(world_size: int, choose, schedules=None, implements=None) -> list
             flags += ["--checkpoint", checkpoint]
     if model == "gpt":
         flags += ["--dropout", choose("dropout", [0.0, 0.1]), "--seed", choose("seed", [0, 1, 2])]
+        if implements is None and "--experts" not in flags:  # refimpl's trainer: Llama's block too
+            _draw_llama(flags, choose)
     return [str(f) for f in flags]
+
+
+def _draw_llama(flags: list, choose) -> None:
+    """For one GPT in two, Llama's block (docs/llama.md): key/value heads among the divisors of the
+    heads that tp divides (1 is multi-query, all of them multi-head), a SwiGLU width that tp divides;
+    2 or 4 heads (head width 4 or 2), so that grouped-query attention proper (1 < kv-heads < heads) occurs."""
+    if choose("arch", ["gpt2", "llama"]) == "gpt2":
+        return
+    n_head = choose("llama_heads", [2, 4]) if int(flags[flags.index("--n-head") + 1]) == 2 else 4
+    flags[flags.index("--n-head") + 1] = str(n_head)
+    tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
+    kv_heads = choose("kv_heads", [k for k in range(1, n_head + 1) if n_head % k == 0 and k % tp == 0])
+    flags += ["--arch", "llama", "--kv-heads", kv_heads, "--ffn-size", choose("ffn_size", [12, 20])]
 
 
 def _draw_tensor_parallel(flags: list, ranks: int, choose, has=lambda flag: True) -> int:

@@ -67,11 +67,14 @@ def check(world, flags: list) -> dict:
                       has_embedding=any(s.is_first for s in stages), has_head=any(s.is_last for s in stages),
                       max_positions=cfg.seq_len,
                       recomputed_blocks=recomputed_blocks(cfg.checkpoint, blocks),
-                      restored_inputs=restores(cfg.checkpoint, blocks) if cfg.partition_activations else 0)
+                      restored_inputs=restores(cfg.checkpoint, blocks) if cfg.partition_activations else 0,
+                      arch=cfg.arch)
     expected = bytes_per_step(shape, cfg.sequence_parallel, cfg.tp, np.dtype(cfg.dtype).itemsize)
     ledger_ok = None  # data parallel, one stage: the ledger's model state = memory.gpt_parameters
     if cfg.zero == 0 and cfg.pp == 1:
-        psi = sum(gpt_parameters(11, cfg.seq_len, cfg.d_model, cfg.n_layer, tp=cfg.tp).values())
+        llama = {} if cfg.arch != "llama" else {"arch": "llama", "ffn": cfg.ffn_size or 4 * cfg.d_model,
+                                                "kv_width": (cfg.kv_heads or cfg.n_head) * cfg.d_model // cfg.n_head}
+        psi = sum(gpt_parameters(11, cfg.seq_len, cfg.d_model, cfg.n_layer, tp=cfg.tp, **llama).values())
         itemsize = np.dtype(cfg.dtype).itemsize
         ledger_ok = trainer.model_state_bytes() == {"parameters": itemsize * psi, "gradients": itemsize * psi,
                                                     "optimizer_states": 2 * itemsize * psi}  # AdamW: m and v

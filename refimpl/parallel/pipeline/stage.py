@@ -7,6 +7,8 @@ runs which (`Placement`); this module decides what a stage *is*. The model is a 
 
     GPT (refimpl.nn.models.GPT)    enter = embed (wte, wpe, dropout)   layers = the L blocks
                                    leave = head (ln_f, lm_head)        x: (b, T) token ids
+                                   (Llama: no wpe; each LlamaBlock rotates its queries and keys
+                                   by global position, a stage always holds whole sequences)
     MLP (MLPClassifier)            enter = features -> Tensor           layers = the L Linear
                                    leave = nothing (the last Linear     layers, each followed by
                                    gives the logits)                    the activation but the last
@@ -74,7 +76,9 @@ class Chain:
         self.tied = isinstance(model, GPT) and model.config.tie_weights
         if isinstance(model, GPT):
             self.layers = list(model.blocks)
-            self.enter_modules = [model.wte, model.wpe, model.drop]
+            # Llama's blocks rotate by position themselves (global positions 0..T-1: every stage sees whole
+            # sequences), so its entry has no wpe
+            self.enter_modules = [m for m in (model.wte, model.wpe, model.drop) if m is not None]
             self.leave_modules = [model.ln_f] + ([model.lm_head] if not model.config.tie_weights else [])
             self.what = "transformer blocks"
             self.flag = lambda n: f"--n-layer {n}"

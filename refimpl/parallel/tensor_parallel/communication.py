@@ -30,6 +30,17 @@ pipeline stage counts its own blocks, and the embedding or head only where it ho
     communication: 2 all-reduces of N·C, or 2 all-gathers + 2 reduce-scatters of N·C; with
     partitioned activations (partition.py) every restored block input is all-gathered: N·C.
 
+Llama's block (arch "llama"; tensor_parallel/gpt.py) has the same two f and two g per block: wq,
+wk, wv read their input behind one f (f̄), SwiGLU's w1 and w3 behind another, wo and w2 end in g
+(ḡ). Without sequence parallelism its traffic is GPT-2's formula above. With it, two terms differ:
+
+        the projections keep the gathered input (layers.shared_input_column_parallel): no re-gather
+        in the blocks, only the head's                                   all-gather     (4L + 2 + 1)·N·C
+        parameters seen on sequence shards: 2 RMSNorm gains per block
+        (2C), ln_f's gain (C); no biases, no wpe                         all-reduce     (2L + 1)·C
+
+(the "+ 2" and "+ 1" where the stage holds the head and the embedding, as above).
+
 The re-gather is Megatron-LM's choice (operators.GatherThenLinear): backward all-gathers the
 sequence shard again instead of keeping the gathered input, so sequence parallelism sends
 (2L + 1)·N·C(t−1)/t elements more per micro-batch than plain tensor parallelism, and stores 1/t
@@ -55,6 +66,7 @@ class StepShape:
     max_positions: int = 0  # T_max: rows of wpe (sequence parallelism's gradient sum)
     recomputed_blocks: int = 0  # block forwards recomputed per micro-batch (activation checkpointing)
     restored_inputs: int = 0  # kept block inputs restored per micro-batch, with partitioned activations
+    arch: str = "gpt2"  # the block: "gpt2" or "llama" (no biases, RMSNorm, no wpe, no re-gather in the blocks)
 
 
 def elements_per_step(shape: StepShape, sequence_parallel: bool) -> dict:
@@ -68,10 +80,13 @@ def elements_per_step(shape: StepShape, sequence_parallel: bool) -> dict:
                            "allgather": shape.restored_inputs * N * C, "reduce_scatter": 0}
     else:
         head, embedding = int(shape.has_head), int(shape.has_embedding)
-        shards = (6 * L + 2 * head + (shape.max_positions if embedding else 0)) * C  # parameters on shards
+        if shape.arch == "llama":  # RMSNorm gains only; f̄ twice per block forward, ḡᵀ twice backward
+            shards, block_gathers = (2 * L + head) * C, 4 * L
+        else:  # LayerNorms, row-parallel biases, wpe; f̄, ḡᵀ and the re-gather, each twice per block
+            shards, block_gathers = (6 * L + 2 * head + (shape.max_positions if embedding else 0)) * C, 6 * L
         per_micro_batch = {
             "allreduce": shards + loss,
-            "allgather": (6 * L + 2 * head + embedding + 2 * shape.recomputed_blocks) * N * C,
+            "allgather": (block_gathers + 2 * head + embedding + 2 * shape.recomputed_blocks) * N * C,
             "reduce_scatter": (4 * L + embedding + head + 2 * shape.recomputed_blocks) * N * C,
         }
     return {kind: shape.micro_batches * count for kind, count in per_micro_batch.items()}

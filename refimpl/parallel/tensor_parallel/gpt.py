@@ -15,6 +15,14 @@ rank r of the group (`comm`), with sequence parallelism (Korthikanti et al. 2022
     head        ln_f → lm_head column-parallel over the vocabulary (tied: wte's rows) → logits
                 (B, T, V'/t) → the vocabulary-parallel cross-entropy (cross_entropy.py)
 
+Llama's block (arch "llama", `_shard_llama_block`) is cut the same way, without biases:
+
+    attention   rms1 → one f (f̄) → wq, wk, wv column-parallel: query heads [r·H/t, (r+1)·H/t),
+                key/value heads [r·Hkv/t, (r+1)·Hkv/t) (t divides Hkv) → rotary positions and
+                attention on those heads → wo row-parallel → g (ḡ) → dropout → + residual
+    MLP         rms2 → one f (f̄) → w1, w3 column-parallel (rows r·F/t ..) → SwiGLU → w2
+                row-parallel → g (ḡ) → dropout → + residual
+
 Everything else (layer norms, the row-parallel biases, wpe) is whole on every rank. Without
 sequence parallelism those see the same activations and gradients on every rank and stay equal;
 with it each rank sees only its sequence shard, so a gradient hook sums each such parameter's
@@ -41,7 +49,7 @@ from refimpl.checkpointing.plans import chain_plan
 from refimpl.nn.models import GPT
 
 from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shared_input_column_parallel
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,8 @@ class TensorParallelGPT:
 
 
 def check_options(tp: int, sequence_parallel: bool = False, partition_activations: bool = False,
-                  checkpoint="none", model: str = "gpt", n_head: int = 1, seq_len: int = 0) -> None:
+                  checkpoint="none", model: str = "gpt", n_head: int = 1, seq_len: int = 0,
+                  kv_heads: int | None = None, ffn_size: int | None = None) -> None:
     """One clear ValueError for a tensor-parallel configuration that cannot run (the same on every rank)."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp must be a positive integer (tensor-parallel ranks), got {tp}")
@@ -145,6 +154,18 @@ def check_options(tp: int, sequence_parallel: bool = False, partition_activation
         raise ValueError(f"--tp {tp} does not divide the GPT's {n_head} attention heads: use a --tp that divides "
                          f"--n-head {n_head} ({', '.join(map(str, _divisors(n_head)))}), or --n-head "
                          f"{n_head + tp - n_head % tp} with --tp {tp}")
+    if kv_heads is not None and kv_heads < tp:  # Llama's grouped-query attention: Megatron-LM's rule
+        raise ValueError(f"--tp {tp} is more than --kv-heads {kv_heads}: each tensor-parallel rank holds "
+                         f"kv-heads/tp key/value heads (replicating them over ranks is not implemented); use a --tp "
+                         f"that divides --kv-heads ({', '.join(map(str, _divisors(kv_heads)))}), or --kv-heads {tp}")
+    if kv_heads is not None and kv_heads % tp:
+        raise ValueError(f"--tp {tp} does not divide --kv-heads {kv_heads}: each tensor-parallel rank holds "
+                         f"kv-heads/tp key/value heads; use a --tp that divides --kv-heads "
+                         f"({', '.join(map(str, _divisors(kv_heads)))})")
+    if ffn_size is not None and ffn_size % tp:  # SwiGLU's hidden units, cut into t equal slices
+        raise ValueError(f"--tp {tp} does not divide --ffn-size {ffn_size}: each tensor-parallel rank holds "
+                         f"ffn-size/tp of the SwiGLU MLP's hidden units; use --ffn-size {ffn_size + tp - ffn_size % tp}"
+                         f" or a --tp that divides {ffn_size}")
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"--sequence-parallel cuts each sequence into --tp {tp} shards, but --seq-len {seq_len} "
                          f"is not divisible by {tp}; use a multiple of {tp}")
@@ -154,7 +175,9 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     """Cut `model` (built whole, from the single-process seed) in place over the group `comm`."""
     t, r = comm.size, comm.rank
     c = model.config
-    check_options(t, sequence_parallel, n_head=c.n_head, seq_len=c.seq_len)
+    llama = c.arch == "llama"  # its key/value heads and SwiGLU width are split too
+    check_options(t, sequence_parallel, n_head=c.n_head, seq_len=c.seq_len,
+                  kv_heads=c.n_kv_heads if llama else None, ffn_size=c.ffn_width if llama else None)
     tp = TensorParallelGPT(model, comm, sequence_parallel)
 
     def cut(name: str, param: Parameter, split: WeightSplit) -> Parameter:
@@ -168,12 +191,16 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     vocab = WeightSplit(0, length=c.vocab_size)
     wte = cut("wte.weight", model.wte.weight, vocab)
     model.wte = VocabParallelEmbedding(wte, tp.vocab_start, comm, sequence_parallel)
-    whole_in_sequence_shards(model.wpe.weight)
+    if model.wpe is not None:  # Llama has none: its blocks rotate by position
+        whole_in_sequence_shards(model.wpe.weight)
     if sequence_parallel:
         model.sequence_shard = (r, t)
         model.drop.shard = (1, r, t)
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
+        if c.arch == "llama":
+            _shard_llama_block(block, prefix, cut, whole_in_sequence_shards, comm, sequence_parallel)
+            continue
         attn, mlp = block.attn, block.mlp
         attn.qkv = ColumnParallelLinear(cut(f"{prefix}.attn.qkv.weight", attn.qkv.weight, WeightSplit(0, parts=3)),
                                         cut(f"{prefix}.attn.qkv.bias", attn.qkv.bias, WeightSplit(0, parts=3)),
@@ -192,13 +219,42 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
             whole_in_sequence_shards(param)
         if sequence_parallel:
             attn.resid_dropout.shard = block.dropout.shard = (1, r, t)  # (B, T/t, C)
-    for param in (model.ln_f.weight, model.ln_f.bias):
+    for param in model.ln_f.parameters():  # LayerNorm's weight and bias, or RMSNorm's weight
         whole_in_sequence_shards(param)
     if not c.tie_weights:
         model.lm_head = ColumnParallelLinear(cut("lm_head.weight", model.lm_head.weight, vocab), None, comm,
                                              sequence_parallel)
     model.tensor_parallel = tp
     return tp
+
+
+def _shard_llama_block(block, prefix: str, cut, whole_in_sequence_shards, comm, sequence_parallel: bool) -> None:
+    """Llama's block on rank r of t: query heads [r·H/t, (r+1)·H/t) and key/value heads
+    [r·Hkv/t, (r+1)·Hkv/t) -- the key/value heads of exactly those query groups, since query head
+    j·G + i uses key/value head j -- so t must divide Hkv (Megatron-LM's rule). wq, wk, wv are
+    column-parallel (rows of those heads) behind one f (f̄), wo row-parallel; SwiGLU's w1 and w3
+    column-parallel (rows [r·F/t, (r+1)·F/t)) behind one f (f̄), w2 row-parallel; the RMSNorms whole.
+    None of them has a bias. Rotary positions need nothing: the projections' outputs hold whole
+    sequences (f̄ gathers them), so positions stay 0 … T−1."""
+    t, r = comm.size, comm.rank
+    attn, mlp = block.attn, block.mlp
+    rows = WeightSplit(0)  # heads, or SwiGLU's hidden units, are contiguous rows
+    for name in ("wq", "wk", "wv"):
+        getattr(attn, name).weight = cut(f"{prefix}.attn.{name}.weight", getattr(attn, name).weight, rows)
+    attn.input_runner = shared_input_column_parallel(comm, sequence_parallel)
+    attn.wo = RowParallelLinear(cut(f"{prefix}.attn.wo.weight", attn.wo.weight, WeightSplit(1)), None, comm,
+                                sequence_parallel)
+    attn.n_head, attn.kv_heads = attn.n_head // t, attn.kv_heads // t
+    attn.attn_dropout.shard = (1, r, t)  # (B, Hkv/t, G, T, T): this rank's key/value heads of the whole mask
+    for name in ("w1", "w3"):
+        getattr(mlp, name).weight = cut(f"{prefix}.mlp.{name}.weight", getattr(mlp, name).weight, rows)
+    mlp.input_runner = shared_input_column_parallel(comm, sequence_parallel)
+    mlp.w2 = RowParallelLinear(cut(f"{prefix}.mlp.w2.weight", mlp.w2.weight, WeightSplit(1)), None, comm,
+                               sequence_parallel)
+    for param in (block.ln1.weight, block.ln2.weight):
+        whole_in_sequence_shards(param)
+    if sequence_parallel:
+        attn.resid_dropout.shard = block.dropout.shard = (1, r, t)  # (B, T/t, C)
 
 
 def _summed_over(comm):

@@ -28,7 +28,13 @@ from refimpl.autograd.tensor import Parameter, Tensor
 from refimpl.nn import functional as F
 from refimpl.nn.module import Module
 
-from .operators import copy_to_tensor_parallel, gather_then_linear, reduce_from_tensor_parallel, reduce_scatter_sequence
+from .operators import (
+    copy_to_tensor_parallel,
+    gather_sequence,
+    gather_then_linear,
+    reduce_from_tensor_parallel,
+    reduce_scatter_sequence,
+)
 
 
 class ColumnParallelLinear(Module):
@@ -48,6 +54,18 @@ def column_parallel_linear(x, weight, bias, comm, sequence_parallel: bool):
     if sequence_parallel:
         return gather_then_linear(x, weight, bias, comm)
     return F.linear(copy_to_tensor_parallel(x, comm), weight, bias)
+
+
+def shared_input_column_parallel(comm, sequence_parallel: bool):
+    """A runner (linears, x) -> [y_1, …]: several column-parallel linears that read the same x
+    (Llama's wq, wk, wv; SwiGLU's w1 and w3) behind one f -- the gradients of x sum before its one
+    all-reduce -- or, with sequence parallelism, one f̄: the whole (B, T, C) is gathered once and
+    kept for the weight gradients (no second all-gather in backward, unlike GatherThenLinear). The
+    linears are called as modules, so module hooks (ZeRO-3's gathers) see them."""
+    def run(linears, x):
+        x = gather_sequence(x, comm) if sequence_parallel else copy_to_tensor_parallel(x, comm)  # (B, T, C)
+        return [linear(x) for linear in linears]  # (B, T, out_i/t) each
+    return run
 
 
 class RowParallelLinear(Module):
@@ -102,4 +120,5 @@ class EmbeddingRows(Function):
         return dw, None, None
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
+           "shared_input_column_parallel"]

@@ -2,6 +2,7 @@
 
     mpiexec -n 4 python -m refimpl tensor-parallel                      # t = 4: every table
     mpiexec -n 2 python -m refimpl tensor-parallel --table activations --d-model 64 --seq-len 32
+    mpiexec -n 2 python -m refimpl tensor-parallel --arch llama --kv-heads 2 --ffn-size 96   # Llama's block
 
 The whole world is one tensor-parallel group of t ranks (t = the number of processes). Tables
 (refimpl/memory.py derives the activations and parameters, refimpl/parallel/tensor_parallel/communication.py
@@ -9,7 +10,7 @@ the bytes):
 
   activations  bytes one rank saves per transformer block in the forward pass: the formula,
                the saved-tensor ledger's measurement on every rank (its largest), and Korthikanti
-               et al.'s bytes for the same s, b, h, a, t (16-bit activations, 1-byte masks);
+               et al.'s bytes for the same s, b, h, a, t (16-bit activations, 1-byte masks; GPT-2's block);
                modes: tensor parallel, + sequence parallel, selective recomputation, and full
                recomputation (what a checkpointed block keeps: its input), with partitioned
                activations (Pa) or sequence parallelism
@@ -34,7 +35,8 @@ from refimpl.checkpointing import checkpoint_sequential, selective_recomputation
 from refimpl.data import SortTask
 from refimpl.memory import gpt_parameters, korthikanti_bytes_per_block, saved_bytes_per_block
 from refimpl.nn.batch_rows import batch_rows
-from refimpl.nn.models import GPT, GPTConfig
+from refimpl.nn.layers import check_llama_shape
+from refimpl.nn.models import ARCHITECTURES, GPT, GPTConfig
 from refimpl.optim import AdamW
 from refimpl.parallel.comm import get_world
 from refimpl.parallel.tensor_parallel import PartitionedActivations, shard_gpt
@@ -54,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, default=32)
     p.add_argument("--batch-size", type=positive_int, default=2, help="examples per micro-batch (b)")
     p.add_argument("--dropout", type=probability, default=0.1, help="dropout probability, in [0, 1) (default 0.1)")
+    p.add_argument("--arch", choices=ARCHITECTURES, default="gpt2",
+                   help="the block: gpt2 or llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention; "
+                        "docs/llama.md) (default gpt2)")
+    p.add_argument("--kv-heads", type=int, metavar="N", help="--arch llama: key/value heads (default --n-head)")
+    p.add_argument("--ffn-size", type=int, metavar="F", help="--arch llama: the SwiGLU width (default 4 x d-model)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     add_max_work_argument(p, MAX_ELEMENTS, "array elements (the model's parameters and activations)")
 
@@ -74,6 +81,11 @@ def check(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.d_model % args.n_head:
         raise ValueError(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
+    if args.arch != "llama" and (args.kv_heads is not None or args.ffn_size is not None):
+        raise ValueError("--kv-heads and --ffn-size shape the Llama block; add --arch llama")
+    if args.arch == "llama":
+        check_llama_shape(args.d_model, args.n_head, args.n_head if args.kv_heads is None else args.kv_heads,
+                          args.ffn_size)
     if args.n_layer < 2:
         raise ValueError("--n-layer must be at least 2 "
                          "(full recomputation keeps the inputs of all blocks but the last)")
@@ -83,10 +95,20 @@ def check(args) -> None:
                f"{args.n_head} --seq-len {args.seq_len} --batch-size {args.batch_size}")
 
 
+def _block(args) -> dict:
+    """The block's shape as the formulas take it: {} for GPT-2; Llama's arch, key/value width and SwiGLU width."""
+    if args.arch != "llama":
+        return {}
+    kv_heads = args.n_head if args.kv_heads is None else args.kv_heads
+    return {"arch": "llama", "kv_width": kv_heads * (args.d_model // args.n_head),
+            "ffn": 4 * args.d_model if args.ffn_size is None else args.ffn_size}
+
+
 def _gpt(args):
     """The whole GPT of these flags (float64, the sorting task's vocabulary of 11)."""
+    llama = {} if args.arch != "llama" else {"arch": "llama", "kv_heads": args.kv_heads, "ffn_size": args.ffn_size}
     return GPT(GPTConfig(vocab_size=11, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                         d_model=args.d_model, dropout=args.dropout, dtype="float64"), seed=0)
+                         d_model=args.d_model, dropout=args.dropout, dtype="float64", **llama), seed=0)
 
 
 def _model(args, world, sequence_parallel: bool):
@@ -119,7 +141,8 @@ def measure_activations(args, world) -> list[dict]:
              ("selective recomputation", False, "selective"), ("sequence parallel + selective", True, "selective"))
     for name, sp, recompute in modes:
         selective = recompute == "selective"
-        rows.append({"mode": name, "formula": saved_bytes_per_block(b, T, C, H, t, sp, dropout, recompute),
+        rows.append({"mode": name, "formula": saved_bytes_per_block(b, T, C, H, t, sp, dropout, recompute,
+                                                                    **_block(args)),
                      "measured": saved(sp, selective),
                      "korthikanti_16bit": korthikanti_bytes_per_block(T, b, C, H, t, sp, selective)})
     one_block = {sp: saved(sp) for sp in (False, True)}
@@ -129,10 +152,12 @@ def measure_activations(args, world) -> list[dict]:
         if partition and t == 1:
             continue
         chain = saved(sp, plan="every:1", partition=partition)  # L − 1 kept inputs + the last block recorded
-        kept = saved_bytes_per_block(b, T, C, H, t, sp, recompute="full", partitioned=partition)
+        kept = saved_bytes_per_block(b, T, C, H, t, sp, recompute="full", partitioned=partition, **_block(args))
         rows.append({"mode": name, "formula": kept, "measured": (chain - one_block[sp]) // (L - 1),
                      "korthikanti_16bit": 2 * T * b * C / (t if sp or partition else 1)})
     for row in rows:  # the largest over the group's ranks (they are equal when the formula holds)
+        if args.arch != "gpt2":  # the paper's formula counts GPT-2's block
+            row["korthikanti_16bit"] = None
         row["measured"] = int(max(world.allgather_object(row["measured"])))
     return rows
 
@@ -150,7 +175,7 @@ def measure_bytes(args, world) -> list[dict]:
         trainer.step(x, y)
         spent = trainer.mesh.tp_comm.counters.since(before)
         shape = StepShape(tokens=x.size, width=args.d_model, blocks=args.n_layer, micro_batches=1,
-                          max_positions=task.seq_len)
+                          max_positions=task.seq_len, arch=args.arch)
         expected = bytes_per_step(shape, sequence_parallel, world.size, 8)
         for kind, value in expected.items():
             rows.append({"mode": "+ sequence parallel" if sequence_parallel else "tensor parallel", "kind": kind,
@@ -163,7 +188,7 @@ def parameters(args, world) -> list[dict]:
     named = dict(model.named_parameters())
     measured = {"split": sum(p.size for name, p in named.items() if name in tp.splits),
                 "whole": sum(p.size for name, p in named.items() if name not in tp.splits)}
-    formula = gpt_parameters(11, args.seq_len, args.d_model, args.n_layer, tp=world.size)
+    formula = gpt_parameters(11, args.seq_len, args.d_model, args.n_layer, tp=world.size, **_block(args))
     return [{"kind": kind, "formula": formula[kind], "measured": measured[kind]} for kind in ("split", "whole")]
 
 
@@ -198,7 +223,8 @@ def _print(args, result: dict) -> None:
         print("\n| saved per block, one rank | formula (bytes) | measured (ledger) | Korthikanti et al. (16-bit) |")
         print("|---|---:|---:|---:|")
         for row in result["activations"]:
-            print(f"| {row['mode']} | {row['formula']:,} | {row['measured']:,} | {row['korthikanti_16bit']:,.0f} |")
+            paper = "GPT-2's block only" if row["korthikanti_16bit"] is None else f"{row['korthikanti_16bit']:,.0f}"
+            print(f"| {row['mode']} | {row['formula']:,} | {row['measured']:,} | {paper} |")
     if "bytes" in result:
         print("\n| sent per step, one rank | collective | formula (bytes) | measured (counters) |")
         print("|---|---|---:|---:|")
