@@ -51,12 +51,13 @@ def small(**kw) -> Run:
 # -- the pipeline ---------------------------------------------------------------------------------
 
 @given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb1p", "zbh2", "zbv", "dualpipe", "dualpipev"]),
-       pp=st.sampled_from([2, 4, 6]), periods=st.integers(4, 7), extra=st.integers(0, 5),
+       pp=st.sampled_from([2, 4, 6]), periods=st.integers(13, 16), extra=st.integers(0, 5),
        F=st.integers(20, 200), I=st.integers(20, 300), W=st.integers(10, 200), P=st.integers(0, 100),
        A=st.sampled_from([0, 0, 15, 60]), k=st.integers(1, 3))
-@example(schedule="gpipe", pp=4, periods=4, extra=1, F=50, I=60, W=40, P=5, A=0, k=1)  # the one peak that grows with m
-@example(schedule="dualpipe", pp=4, periods=4, extra=2, F=50, I=60, W=40, P=5, A=60, k=2)  # F&B hides all-to-alls
-@example(schedule="interleaved", pp=2, periods=4, extra=0, F=20, I=20, W=10, P=26, A=0, k=1)  # periods alternate
+@example(schedule="gpipe", pp=4, periods=13, extra=1, F=50, I=60, W=40, P=5, A=0, k=1)  # the one peak that grows with m
+@example(schedule="dualpipe", pp=4, periods=13, extra=2, F=50, I=60, W=40, P=5, A=60, k=2)  # F&B hides all-to-alls
+@example(schedule="interleaved", pp=2, periods=13, extra=0, F=20, I=20, W=10, P=26, A=0, k=1)  # periods alternate
+@example(schedule="zbh2", pp=2, periods=13, extra=0, F=20, I=20, W=10, P=31, A=0, k=1)  # a cycle of 3 periods
 def test_the_extrapolated_makespan_equals_the_full_simulation(schedule, pp, periods, extra, F, I, W, P, A, k):
     unit = 2 if schedule == "dualpipe" else 1
     m = periods * pp * unit + (extra * unit % (pp * unit) if schedule not in ("interleaved",) else 0)
@@ -64,14 +65,26 @@ def test_the_extrapolated_makespan_equals_the_full_simulation(schedule, pp, peri
     chunks = 2 if schedule == "interleaved" else None
     exchanges = k if A else 0  # experts' all-to-alls: the simulator's chunk model
     makespan, peaks, simulated, exposed = extrapolated_makespan(schedule, pp, m, chunks, costs, exchanges)
-    if schedule == "interleaved":  # no fixed period with message delays: simulated whole
-        assert simulated == (m,)
-    else:
-        assert len(simulated) == 2 and max(simulated) < m  # it did extrapolate
+    assert simulated == (m,) or max(simulated) < m  # simulated whole (no cycle found), or extended
     full, full_peaks, full_exposed = _makespan(schedule, pp, m, chunks, costs, exchanges)
     assert makespan == full
     assert peaks == full_peaks
     assert exposed == full_exposed
+
+
+@pytest.mark.parametrize("schedule,pp,P", [("1f1b", 4, 5), ("zb1p", 4, 0), ("dualpipe", 4, 5),
+                                          ("interleaved", 2, 26), ("zbh2", 2, 31)])
+def test_a_long_run_is_extended_from_its_cycle_not_simulated_whole(schedule, pp, P):
+    """The probes find the cycle (of one period, or of 2 and 3 periods under long message delays) and
+    the long run is extended from it, equal to the full simulation."""
+    from refimpl.tools.cluster.pipeline import PROBES  # noqa: PLC0415
+
+    costs = Costs(F=20, I=20, W=10, P=P)
+    chunks = 2 if schedule == "interleaved" else None
+    m = 40 * pp * (2 if schedule == "dualpipe" else 1)
+    makespan, _, simulated, _ = extrapolated_makespan(schedule, pp, m, chunks, costs)
+    assert len(simulated) == PROBES and max(simulated) < m
+    assert makespan == _makespan(schedule, pp, m, chunks, costs)[0]
 
 
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", None), ("1f1b", None), ("interleaved", 2)])

@@ -7,19 +7,20 @@ schedule the executor runs. Times go in as whole nanoseconds so that the simulat
 arithmetic stays on integers.
 
 A long run (thousands of micro-batches on 64 stages) would take seconds to simulate, and its
-steady state repeats: after the first 2p micro-batches (4p for DualPipe, whose micro-batches
-come in pairs of directions) every further p (2p) micro-batches add the same time. So for
-m > m₂ the makespan is extrapolated from two simulations,
+steady state repeats: after a warm-up, every period of p·u micro-batches (u = 2 for DualPipe,
+whose micro-batches come in pairs of directions, else 1) adds the same time, or, once message
+delays exceed an action, the same sequence of a few periods' times (the drawn test found
+interleaved runs whose periods alternate and ZB-H2 runs that repeat every 3 periods). So for a
+long run the simulator runs PROBES = 10 probes a period apart, m₀ = 2p·u + (m mod p·u), ...,
+m₉ = m₀ + 9p·u, finds the shortest cycle of c ≤ 3 periods that the last probes repeat three times,
+and extends it to m:
 
-    m₁ = 2p·u + (m mod p·u),   m₂ = m₁ + p·u       (u = 2 for dualpipe, else 1)
-    makespan(m) = makespan(m₁) + (m − m₁)/(p·u) · (makespan(m₂) − makespan(m₁)),
+    makespan(m) = makespan(m₉) + ⌊n / c⌋ · (the cycle's time) + (its first n mod c periods' times),
+    n = (m − m₉) / (p·u);
 
-which equals the full simulation exactly on every schedule, stage count and cost tested
-(tests/test_cluster.py draws them), except the interleaved schedule: with message delays its
-periods' times need not repeat with period p (the drawn test found runs whose periods alternate,
-and others that repeat every 3 or 7 periods), so it is always simulated whole (about 0.5 s for 16
-stages and 1024 micro-batches). The peak of in-flight activations is reached within the first
-m₁ micro-batches, except GPipe's, which is m.
+where no such cycle shows, the whole run is simulated. The extension equals the full simulation
+exactly on every schedule, stage count, cost and delay drawn (tests/test_cluster.py). The peak of
+in-flight activations is reached within the first m₀ micro-batches, except GPipe's, which is m.
 
 `estimate_step` is the cheap version `plan` ranks thousands of candidates with: busy time plus
 the published closed-form idle of parallel/pipeline/formulas.py (exact at zero latency under the
@@ -85,21 +86,29 @@ def _makespan(schedule: str, pp: int, m: int, chunks, costs: Costs,
     return makespan, [peak_in_flight(sched, r, "W") for r in range(pp)], exposed
 
 
+PROBES = 10  # simulations, a period apart, that look for the steady state's cycle
+LONGEST_CYCLE = 3  # the longest cycle looked for, in periods of p·u micro-batches
+
+
 def extrapolated_makespan(schedule: str, pp: int, m: int, chunks: int | None, costs: Costs,
                           exchanges: int = 0) -> tuple[Fraction, list[int], tuple[int, ...], Fraction]:
     """(makespan, peaks per rank, the m of each simulation, exposed all-to-all time): simulated,
-    or for m > m₂ extrapolated from m₁ and m₂ (module docstring)."""
+    or, beyond the probes, extended from the cycle the probes repeat three times (module docstring)."""
     period = pp * _unit(schedule)
-    m1 = 2 * period + m % period
-    if m <= m1 + period or schedule == "interleaved":  # interleaved: no fixed period (module docstring)
-        makespan, peaks, exposed = _makespan(schedule, pp, m, chunks, costs, exchanges)
-        return makespan, peaks, (m,), exposed
-    t1, peaks, e1 = _makespan(schedule, pp, m1, chunks, costs, exchanges)
-    t2, _, e2 = _makespan(schedule, pp, m1 + period, chunks, costs, exchanges)
-    if schedule == "gpipe":
-        peaks = [m] * pp
-    scale = Fraction(m - m1, period)
-    return t1 + scale * (t2 - t1), peaks, (m1, m1 + period), e1 + scale * (e2 - e1)
+    start = 2 * period + m % period
+    if m > start + (PROBES - 1) * period:
+        probes = [start + k * period for k in range(PROBES)]
+        runs = [_makespan(schedule, pp, n, chunks, costs, exchanges) for n in probes]
+        steps = [(b[0] - a[0], b[2] - a[2]) for a, b in zip(runs, runs[1:])]  # (makespan, exposed) per period
+        for c in range(1, LONGEST_CYCLE + 1):
+            if steps[-c:] == steps[-2 * c:-c] == steps[-3 * c:-2 * c]:  # the steady state's cycle, three times
+                repeats, rest = divmod((m - probes[-1]) // period, c)
+                added = [sum(d[i] for d in steps[-c:]) * repeats + sum(d[i] for d in steps[-c:][:rest])
+                         for i in (0, 1)]
+                peaks = [m] * pp if schedule == "gpipe" else runs[0][1]
+                return runs[-1][0] + added[0], peaks, tuple(probes), runs[-1][2] + added[1]
+    makespan, peaks, exposed = _makespan(schedule, pp, m, chunks, costs, exchanges)  # short, or no cycle
+    return makespan, peaks, (m,), exposed
 
 
 @lru_cache(maxsize=256)
