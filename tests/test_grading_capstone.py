@@ -17,22 +17,10 @@ grade = sys.modules.setdefault("tutorials_grade", importlib.util.module_from_spe
 if not hasattr(grade, "grade_capstone"):
     spec.loader.exec_module(grade)
 
+from course_fixture import CAPSTONE  # noqa: E402 - after the grader is loaded
+
 HEADER = "from refimpl.parallel.pipeline.schedules import Action, check_counts, linear_placement, make_schedule\n"
-# The worked example with the cool-down's W's in reverse order: the student's own, and on target.
-OWN = HEADER + '''
-def my_schedule(pp, micro_batches, chunks=None):
-    check_counts("mine", pp, micro_batches)
-    m, ranks = micro_batches, []
-    for r in range(pp):
-        warmup = min(pp - r - 1, m)
-        steps = [Action("F", r, k) for k in range(warmup)]
-        for k in range(m - warmup):
-            steps += [Action("F", r, warmup + k), Action("I", r, k), Action("W", r, k)]
-        steps += [Action("I", r, k) for k in range(m - warmup, m)]
-        steps += [Action("W", r, k) for k in reversed(range(m - warmup, m))]
-        ranks.append(steps)
-    return make_schedule("mine", pp, m, linear_placement(pp), ranks)
-'''
+OWN = CAPSTONE  # the worked example with the cool-down's W's reversed: the student's own, and on target
 BUILTIN = '''
 from refimpl.parallel.pipeline import SCHEDULES
 
