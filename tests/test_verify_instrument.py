@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi_util import REPO, last_json, run_local, run_mpi
 
+from refimpl.protocols import IMPLEMENTATION_FLAGS
 from refimpl.tools.commands.verify import add_arguments
 from refimpl.tools.compare import compare_step
 from refimpl.tools.flags import config_from_args
@@ -148,9 +149,45 @@ def test_pp_is_refused_unless_declared_and_a_declared_pp_that_is_ignored_fails_n
     assert done.returncode == 1, done.stdout + done.stderr
     result = last_json(done)
     assert result["ok"] is False and result["declared_flags_in_use"] == ["--pp"]
-    assert result["problems"] == ["--pp 2: no rank sent a point-to-point message during the steps, though a pipeline "
-                                  "sends activations and gradients between its stages: DataParallel declares --pp but "
-                                  "does not pipeline"]
+    assert result["problems"] == [IGNORED.format(given="--pp 2", name="DataParallel", flag="--pp")]
+
+
+IGNORED = ("{given}: {name} declares it but ignores it: a step with it made the same operations and communicator "
+           "calls, in the same order and with the same bytes, on every rank, as a step without it, where refimpl's "
+           "own trainer does not (verify without {flag}, or honour it; refimpl/tools/flag_check.py)")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("args", [["--zero", "2"], ["--zero", "1", "--grad-accum", "2"], ["--checkpoint", "sqrt"],
+                                  ["--bucket-bytes", "64"], ["--tp", "2", "--sequence-parallel"]])
+def test_every_declared_flag_that_is_ignored_fails_in_one_line_naming_it(args):
+    """A trainer that declares every flag and runs plain data parallelism: each flag in use that
+    changes what refimpl's own trainer does fails, one line for each (and the others are not named)."""
+    done = verify(2, "--trainer", f"{DISHONEST}:declares_everything_ignores_it", "--n-layer", "4", "--batch-size", "8",
+                  "--steps", "1", "--json", *args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = last_json(done)
+    given = [f"{flag} {value}" if value else flag for flag, value in zip(args[::2], args[1::2] + [""])] \
+        if "--sequence-parallel" not in args else ["--tp 2", "--sequence-parallel"]
+    given.sort(key=lambda g: IMPLEMENTATION_FLAGS.index(g.split()[0]))  # in the protocol's order
+    assert result["problems"] == [IGNORED.format(given=g, name="DataParallel", flag=g.split()[0]) for g in given]
+    assert result["configuration"]["not_exercised"] == []
+
+
+@pytest.mark.mpi
+def test_a_flag_that_this_configuration_does_not_exercise_is_listed_not_failed(tmp_path):
+    """--trace and --mem-budget only watch, and a bucket larger than the model is one bucket, as
+    the default's is: refimpl's own trainer runs the same with and without them, so nothing is
+    claimed, and the PASS says so; refimpl's own trainer through --trainer is never accused."""
+    trace = tmp_path / "trace.json"
+    args = ["--trace", trace, "--mem-budget", "1GB", "--bucket-bytes", 1 << 24, "--steps", "1", "--json"]
+    result = last_json(verify(2, "--trainer", f"{DISHONEST}:declares_everything_ignores_it", *args))
+    assert result["ok"] is True and result["problems"] == []
+    assert result["configuration"]["not_exercised"] == ["--bucket-bytes", "--mem-budget", "--trace"]
+    assert result["checked"].endswith("(not exercised in this configuration: --bucket-bytes --mem-budget --trace)")
+    own = last_json(verify(2, "--trainer", f"{DISHONEST}:refimpls_own", "--zero", "3", "--checkpoint", "sqrt",
+                           "--n-layer", "4", "--grad-accum", "2", "--steps", "1", "--json"))
+    assert own["ok"] is True and own["configuration"]["not_exercised"] == []
 
 
 @pytest.mark.mpi

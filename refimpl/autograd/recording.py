@@ -103,13 +103,17 @@ def forward_ran(name: str) -> None:
 
 
 class counting_forwards:
-    """Context manager: `with counting_forwards() as calls:` -- calls[op name] = forwards run inside."""
+    """Context manager: `with counting_forwards() as calls:` -- calls[op name] = forwards run inside
+    (into `counter`, a Counter or a subclass of it, when one is given)."""
+
+    def __init__(self, counter: Counter | None = None) -> None:
+        self.counter = counter
 
     def __enter__(self) -> Counter:
-        self.calls = Counter()
+        self.calls = Counter() if self.counter is None else self.counter
         _counters.append(self.calls)
         return self.calls
 
     def __exit__(self, *exc):
-        _counters.remove(self.calls)
+        _counters[:] = [c for c in _counters if c is not self.calls]  # by identity: equal counts are not it
         return False

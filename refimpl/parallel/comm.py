@@ -167,12 +167,15 @@ class Counters:
         self.parent = parent
         self._calls: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
+        self.log: list | None = None  # while a list: each call's kind appended in order (verify's flag check)
 
     def record(self, kind: str, nbytes: int = 0, calls: int = 1) -> None:
         counters = self
         while counters is not None:  # a sub-communicator's traffic is also its parent's
             counters._calls[kind] = counters._calls.get(kind, 0) + calls
             counters._bytes[kind] = counters._bytes.get(kind, 0) + nbytes
+            if calls and counters.log is not None:
+                counters.log.append(kind)
             counters = counters.parent
 
     def calls(self, kind: str) -> int:

@@ -28,8 +28,10 @@ The verdict is verify's alone. The trainer's report() is called once, at the end
 (refimpl/protocols.py): `implements`, the flags that choose how a step is computed that it
 honours (verify refuses the others, since ignoring one leaves the numbers unchanged), and, with
 --dtype mixed, `optimizer_steps` (a step that does not advance it was skipped) and
-`full_optimizer_state()` (MixedPrecisionVerifiable). A trainer of your own that declares --pp must
-send point-to-point messages during its steps, or verify fails, naming the flag.
+`full_optimizer_state()` (MixedPrecisionVerifiable). A trainer of your own that declares a flag
+must also act on it: refimpl/tools/flag_check.py traces one step with and without each declared
+flag in use, and verify fails, naming the flag, where the trainer runs the same both ways though
+refimpl's own trainer does not.
 
 verify runs in float64 unless --dtype says otherwise. A distributed run sums gradients in another
 order than one process, so they differ by rounding (about 1e-16 relative in float64, 1e-7 in
@@ -59,6 +61,7 @@ import numpy as np
 
 from refimpl.local_trainer import LocalTrainer
 from refimpl.protocols import IMPLEMENTATION_FLAGS, MixedPrecisionVerifiable, Verifiable, missing
+from refimpl.tools import flag_check
 from refimpl.tools.compare import TOLERANCES, Comparison, compare_step
 from refimpl.tools.compare_mixed import compare_mixed_step, mixed_tolerance, partial_gradient_magnitudes, state_by_name
 from refimpl.tools.console import log
@@ -156,7 +159,7 @@ def check_trainer(trainer, cfg) -> frozenset:
     return declared
 
 
-def configuration(cfg, world_size: int, declared) -> dict:
+def configuration(cfg, world_size: int, declared, not_exercised=()) -> dict:
     """What a verification exercised: the mesh, the flags that define the computation, and those of
     the flags the trainer implements that matter here (--zero and --checkpoint always, --grad-accum,
     or a pipeline's schedule and micro-batches, the others where they differ from their default)."""
@@ -177,14 +180,16 @@ def configuration(cfg, world_size: int, declared) -> dict:
         if flag in declared and flag in shown and flag not in ("--dtype", "--pp", "--tp"):
             flags[flag] = values.get(flag, getattr(cfg, flag[2:].replace("-", "_"), None))
     return {"world_size": world_size, "dp": world_size // (cfg.pp * cfg.tp), "pp": cfg.pp, "tp": cfg.tp,
-            "flags": flags, "implements": sorted(declared)}
+            "flags": flags, "implements": sorted(declared), "not_exercised": list(not_exercised)}
 
 
 def described(conf: dict) -> str:
     """The configuration as one line: 'dp 2 x pp 1 x tp 1: --model gpt --dtype float64 ...'."""
     flags = " ".join(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
                      for flag, value in conf["flags"].items())
-    return f"dp {conf['dp']} x pp {conf['pp']} x tp {conf['tp']}: {flags}"
+    idle = conf.get("not_exercised")
+    return f"dp {conf['dp']} x pp {conf['pp']} x tp {conf['tp']}: {flags}" + \
+        (f" (not exercised in this configuration: {' '.join(idle)})" if idle else "")
 
 
 # -- one configuration ---------------------------------------------------------------------------
@@ -320,11 +325,6 @@ def labelled_worst(result: dict) -> str:
     return text + (f" on rank {rank}" if rank else "")
 
 
-def _point_to_point_calls(comm) -> int:
-    """Point-to-point messages this rank has sent so far (the communicator's counters)."""
-    return comm.counters.calls("send") + comm.counters.calls("sendrecv")
-
-
 def float32_hint(cfg, rtol: float) -> str | None:
     """Why a float32 comparison can fail a correct algorithm, or None."""
     if cfg.dtype != "float32":
@@ -391,17 +391,17 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
     # 1. The distributed run: every rank checks its records against rank 0's; rank 0 keeps what differs.
     trainer = build_trainer(cfg, comm, factory, distributed_model)
     declared = check_trainer(trainer, cfg)  # before the first step: what it implements, what mixed reads
+    ignored, not_exercised = flag_check.ignored_flags(cfg, task, comm, factory, [
+        flag for flag in flags_used(cfg) if flag in declared]) if factory is not None else ([], [])
     trainer.record_grads = True
     holds_replica = callable(getattr(trainer, "local_records", None))  # optional (protocols.HoldsReplica)
-    recorded, sent = [], 0
+    recorded = []
     for step in range(cfg.steps):
         x, y = task.batch(step, cfg.batch_size)
         steps_before = trainer.optimizer_steps if mixed else None
         hook = _InjectInf(_last_held(trainer, distributed_model)) \
             if step == inject_overflow and world.rank == world.size - 1 else None
-        before = _point_to_point_calls(comm)
         loss = trainer.step(x, y)
-        sent += _point_to_point_calls(comm) - before
         if hook is not None:
             hook.remove()
         params = trainer.full_parameters()
@@ -423,7 +423,6 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
     if not isinstance(trainer_report, dict):
         raise ValueError(f"{type(trainer).__name__}.report() returned {type(trainer_report).__name__} "
                          f"{_shown(trainer_report)}; it returns a dict of plain facts ({{}} for none)")
-    ignored_pp = factory is not None and cfg.pp > 1 and world.allreduce_value(float(sent)) == 0
 
     # 2. The single-process reference, on rank 0, on the same global batches.
     result = {"ok": True}
@@ -432,11 +431,12 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
         reference = LocalTrainer(model, build_optimizer(cfg, model.parameters()), cfg.grad_accum, cfg.clip)
         reference.record_grads = True
         total, per_step, worst_rank = Comparison(), [], 0
-        if ignored_pp:
+        if ignored:
             total = Comparison(False, tolerance_used=float("inf"), problems=[
-                f"--pp {cfg.pp}: no rank sent a point-to-point message during the steps, though a pipeline sends "
-                f"activations and gradients between its stages: {type(trainer).__name__} declares --pp but does not "
-                "pipeline"])
+                f"{flag_check.value_of(cfg, flag)}: {type(trainer).__name__} declares it but ignores it: a step with "
+                "it made the same operations and communicator calls, in the same order and with the same bytes, on "
+                f"every rank, as a step without it, where refimpl's own trainer does not (verify without {flag}, or "
+                "honour it; refimpl/tools/flag_check.py)" for flag in ignored])
         for step, ours in enumerate(recorded):
             x, y = task.batch(step, cfg.batch_size)
             if mixed and step > 0:  # lockstep: from the distributed run's state after the previous step
@@ -479,7 +479,7 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
                     + ("" if c.ok else "  <-- FAIL"))
                 for problem in c.problems:
                     say(f"  {problem}")
-        conf = configuration(cfg, world.size, declared)
+        conf = configuration(cfg, world.size, declared, not_exercised)
         result = {"ok": total.ok, "max_abs_diff": total.max_abs_diff, "max_rel_diff": total.max_rel_diff,
                   "tolerance_used": total.tolerance_used, "worst_name": total.worst_name,
                   "worst_what": total.worst_what, "worst_rank": worst_rank,

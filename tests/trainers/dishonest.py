@@ -6,6 +6,8 @@ claims_ok                 averages the summed gradients (wrong at every step) an
 honest                    the same trainer without the bug (and with the same report)
 drops_on_other_ranks      ranks other than 0 step with their own unreduced gradient: rank 0 is right
 declares_pp_ignores_it    declares --pp, --schedule and --micro-batches and runs plain data parallelism
+declares_everything_ignores_it  declares every flag but --dtype and runs plain data parallelism
+refimpls_own              refimpl's own trainer, which honours every flag it declares (all of them)
 declares_grad_accum       implements --grad-accum (micro-batches summed on each rank) and declares it
 declares_a_string         implements = "--pp": not a set of flags
 declares_unknown_flag     implements = {"--turbo"}: not a flag that chooses how a step is computed
@@ -19,7 +21,8 @@ import numpy as np
 
 from refimpl.objective import count_targets, micro_batch_loss, split_batch
 from refimpl.optim import clip_grad_norm_
-from refimpl.tools.run import build_optimizer
+from refimpl.protocols import IMPLEMENTATION_FLAGS
+from refimpl.tools.run import build_optimizer, make_trainer
 
 
 class DataParallel:
@@ -140,3 +143,13 @@ def counts_reports(cfg, model, world):
 
     trainer.report = report
     return trainer
+
+
+def declares_everything_ignores_it(cfg, model, world):
+    trainer = DataParallel(cfg, model, world)
+    trainer.implements = frozenset(flag for flag in IMPLEMENTATION_FLAGS if flag != "--dtype")
+    return trainer
+
+
+def refimpls_own(cfg, model, world):
+    return make_trainer(cfg, model, world, distributed=True)
