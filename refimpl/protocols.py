@@ -29,6 +29,7 @@ IMPLEMENTATION_FLAGS = (
     "--checkpoint",  # activation checkpointing (recomputation)
     "--pp", "--schedule", "--micro-batches", "--chunks", "--no-overlap",  # pipelines
     "--tp", "--sequence-parallel", "--partition-activations",  # tensor and sequence parallelism
+    "--cp", "--cp-impl",  # context parallelism
     "--ep",  # expert parallelism
     "--mem-budget", "--action-costs", "--trace",  # the memory ledger, the pipeline's pacing and trace
 )

@@ -186,15 +186,21 @@ class CausalSelfAttention(Module):
         # How the attention core runs: None, plainly; or a callable (core, q, k, v) -> y, which
         # selective activation recomputation installs (refimpl.checkpointing.apply_to_gpt).
         self.core_runner = None
+        # None, or a context-parallel group (parallel/context_parallel/gpt.py): x holds this rank's
+        # tokens, and context.attention(q, k, v) attends over every rank's keys and values
+        self.context = None
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.qkv(x).split(3, axis=-1)  # (B, T, C) each (tensor parallel: (B, T, C/t), H/t heads)
         B, T, C = q.shape
         H, D = self.n_head, C // self.n_head
         q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-        k = k.reshape(B, T, H, D).transpose(0, 2, 3, 1)  # (B, H, D, T)
         v = v.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
-        y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
+        if self.context is not None:  # context parallel: T is this rank's tokens
+            y = self.context.attention(q, k.reshape(B, T, H, D).transpose(0, 2, 1, 3), v)  # (B, H, T, D)
+        else:
+            k = k.reshape(B, T, H, D).transpose(0, 2, 3, 1)  # (B, H, D, T)
+            y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.proj(y))
 
@@ -283,20 +289,27 @@ class GroupedQueryAttention(Module):
         self.mask = backend.asarray(np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1))  # True above the diagonal
         self.core_runner = None  # as CausalSelfAttention's: selective recomputation may install one
         self.input_runner = None  # as SwiGLU's: tensor parallelism runs wq, wk, wv after one f
+        self.context = None  # as CausalSelfAttention's: a context-parallel group, or None
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = run_projections(self.input_runner, [self.wq, self.wk, self.wv], x)  # (B, T, H·D), (B, T, Hkv·D) x 2
         B, T = q.shape[0], q.shape[1]  # T: the whole sequence (sequence parallelism gathers it in the projections)
         H, Hkv, D = self.n_head, self.kv_heads, self.d_head
         G = H // Hkv
-        positions = backend.xp().arange(T)  # (T,): global positions of the whole sequence
+        # (T,): global positions of the whole sequence, or (context parallel) of this rank's tokens
+        positions = backend.xp().arange(T) if self.context is None else self.context.positions(T)
         q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
         k = k.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
         v = v.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B, Hkv, T, D)
-        q = F.rotary(q, positions, self.rope_base).reshape(B, Hkv, G, T, D)  # (B, Hkv, G, T, D)
-        k = F.rotary(k, positions, self.rope_base).transpose(0, 1, 3, 2).reshape(B, Hkv, 1, D, T)  # (B, Hkv, 1, D, T)
-        v = v.reshape(B, Hkv, 1, T, D)  # (B, Hkv, 1, T, D)
-        y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
+        q = F.rotary(q, positions, self.rope_base)  # (B, H, T, D)
+        k = F.rotary(k, positions, self.rope_base)  # (B, Hkv, T, D)
+        if self.context is not None:  # context parallel: over every rank's keys and values
+            y = self.context.attention(q, k, v)  # (B, H, T, D)
+        else:
+            q = q.reshape(B, Hkv, G, T, D)  # (B, Hkv, G, T, D)
+            k = k.transpose(0, 1, 3, 2).reshape(B, Hkv, 1, D, T)  # (B, Hkv, 1, D, T)
+            v = v.reshape(B, Hkv, 1, T, D)  # (B, Hkv, 1, T, D)
+            y = self.core(q, k, v) if self.core_runner is None else self.core_runner(self.core, q, k, v)
         y = y.reshape(B, H, T, D).transpose(0, 2, 1, 3).reshape(B, T, H * D)  # (B, T, C): head j·G + i at j·G + i
         return self.resid_dropout(self.wo(y))
 

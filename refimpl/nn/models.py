@@ -104,6 +104,9 @@ class GPT(Module):
         # (index, count): this process embeds shard `index` of `count` of every sequence
         # (sequence parallelism sets it; refimpl/parallel/tensor_parallel/gpt.py)
         self.sequence_shard = (0, 1)
+        # None, or this rank's place in a context-parallel group: idx holds its shard of each sequence,
+        # whose global positions context.positions(T) gives (refimpl/parallel/context_parallel/gpt.py)
+        self.context = None
 
     def _block(self, i: int, rng: np.random.Generator):
         """Block i, its weights drawn from rng after those of the blocks before it."""
@@ -128,7 +131,10 @@ class GPT(Module):
         index, count = self.sequence_shard
         if self.wpe is None:  # llama: positions enter as rotary embeddings inside the blocks
             return self.drop(self.wte(idx))  # (B, T, C)
-        positions = backend.xp().arange(index * T // count, (index + 1) * T // count)  # (T,), or this shard's
+        if self.context is None:
+            positions = backend.xp().arange(index * T // count, (index + 1) * T // count)  # (T,), or this shard's
+        else:  # context parallel: T is this rank's tokens, at their global positions (or sequence parallel's share)
+            positions = self.context.positions(T)[index * T // count:(index + 1) * T // count]  # (T,) or (T/t,)
         return self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C); sequence parallel: (B, T/t, C)
 
     def head(self, x: Tensor) -> Tensor:

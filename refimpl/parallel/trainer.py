@@ -1,23 +1,27 @@
-"""The one distributed trainer: a training step composed of layers, over a dp x tp x pp mesh.
+"""The one distributed trainer: a training step composed of layers, over a dp x cp x tp x pp mesh.
 
 Every distributed configuration -- data parallelism, ZeRO 0-3, mixed precision, tensor and
-sequence parallelism, expert parallelism, pipelines of any schedule, and their combinations -- is
+sequence parallelism, context parallelism, expert parallelism, pipelines of any schedule, and their
+combinations -- is
 this class. One optimizer step on a global batch of B examples is the same layers on every rank:
 
-    1. the mesh (mesh.py)          N = dp · tp · pp ranks; replica d takes its B/dp examples, cut
+    1. the mesh (mesh.py)          N = dp · cp · tp · pp ranks; replica d takes its B/dp examples, cut
                                    into M micro-batches (M = --grad-accum without a pipeline, else
-                                   --micro-batches); its tp ranks all run the same micro-batches
+                                   --micro-batches); its tp ranks all run the same micro-batches, its
+                                   cp ranks each the T/cp tokens of every sequence that they hold
     1b. the model's collectives    tensor parallelism (tensor_parallel/): the model is cut over the
                                    tp group before it is cut into stages; its layers communicate
                                    inside every forward and backward, and the loss is computed on
-                                   vocabulary shards. Expert parallelism (experts.py): each rank of
-                                   an ep group keeps E/ep experts; tokens travel by all-to-all
+                                   vocabulary shards. Context parallelism (context_parallel/gpt.py):
+                                   every layer runs on the rank's tokens, attention over the cp
+                                   group's keys and values. Expert parallelism (experts.py): each
+                                   rank of an ep group keeps E/ep experts; tokens travel by all-to-all
     2. the micro-batch loop        the pipeline executor (pipeline/executor.py) runs this rank's list
                                    of the schedule: F, B (or I then W) of each of its stages and
                                    micro-batches. A pipeline of one stage holding the whole model
                                    under 1F1B is F0 B0 F1 B1 ...: plain gradient accumulation, so
                                    there is one loop for every configuration
-    3. the gradient strategy       over the data-parallel group (the dp ranks that hold the same
+    3. the gradient strategy       over the data-parallel group (the dp · cp ranks that hold the same
                                    stages): DDP (data_parallel.py) or a ZeRO stage (zero/), which
                                    keeps model state whole or sharded and reduces gradients during
                                    the loop (it wraps every action: `around`). With expert
@@ -69,6 +73,7 @@ from refimpl.nn.models import GPT
 from refimpl.objective import count_targets, split_batch
 from refimpl.protocols import IMPLEMENTATION_FLAGS
 
+from .context_parallel.gpt import apply_context_parallelism
 from .data_parallel import DataParallel
 from .experts import ParameterSubset, apply_expert_parallelism, is_expert_parameter
 from .mesh import Mesh
@@ -124,16 +129,19 @@ class Trainer:
                  zero: int = 0, dp_mode: str = "bucketed", bucket_bytes: int = 1 << 20, prefetch: int = 0,
                  param_threshold: int = 0, precision: str = "float32", clip: float = 0.0, checkpoint=None,
                  budget: int | None = None, layers=(), tp: int = 1, sequence_parallel: bool = False,
-                 partition_activations: bool = False, ep: int = 1, overlap: bool = True) -> None:
+                 partition_activations: bool = False, ep: int = 1, overlap: bool = True, cp: int = 1,
+                 cp_impl: str = "ring") -> None:
         _check_options(model, pp, tp, sequence_parallel, partition_activations, checkpoint, grad_accum, schedule,
                        zero)
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.pp, self.tp, self.ep, self.zero, self.precision, self.clip = pp, tp, ep, zero, precision, clip
         self.pipelined = pp > 1 or schedule is not None
         # The build order: each step needs what the ones above it built.
-        self.mesh = Mesh(world, pp=pp, tp=tp, ep=ep)  # 1. the same clear error on every rank if pp·tp ∤ N
+        self.mesh = Mesh(world, pp=pp, tp=tp, ep=ep, cp=cp)  # 1. the same clear error on every rank if pp·tp·cp ∤ N
         self.dp = self.mesh.dp
         store = self._cut_over_tensor_parallel(model, sequence_parallel, partition_activations)  # 1b.
+        self.context_parallel = apply_context_parallelism(model, self.mesh.cp_comm, cp_impl) \
+            if cp > 1 else None  # 1b. every layer on this rank's tokens
         self.schedule = self._build_schedule(schedule, micro_batches, chunks, grad_accum)  # 2.
         self._cut_into_stages(model, checkpoint, store)  # 2. with 1b's experts and activation checkpointing
         self.executor = self._build_executor(overlap=overlap and zero != 3)  # 2. (ZeRO-3's gather-ahead: one order)
@@ -216,8 +224,8 @@ class Trainer:
         holders = sorted({r for s in self.stages for r in self.schedule.placement.ranks_of(s)})
         if len(holders) == 1:
             return None
-        d, t, p = self.mesh.dp_index, self.mesh.tp_index, self.mesh.pp_index
-        return self.world.split(color=(d * self.tp + t) * self.pp + holders[0], key=p)
+        d, c, t, p = self.mesh.dp_index, self.mesh.cp_index, self.mesh.tp_index, self.mesh.pp_index
+        return self.world.split(color=((d * self.mesh.cp + c) * self.tp + t) * self.pp + holders[0], key=p)
 
     def _gradient_strategies(self, model, make_optimizer, zero: int, precision: str, dp_mode: str, bucket_bytes: int,
                              budget: int | None, prefetch: int, param_threshold: int) -> tuple:
@@ -271,6 +279,8 @@ class Trainer:
         else:
             replicas, micro_batches = "data-parallel ranks", "micro-batches per rank (--grad-accum)"
         x_local, y_local = split_batch(x, y, self.dp, replicas)[self.mesh.dp_index]
+        if self.context_parallel is not None:  # (B/dp, T) -> (B/dp, T/cp): this rank's tokens of each sequence
+            x_local, y_local = self.context_parallel.shard(x_local), self.context_parallel.shard(y_local)
         micro = split_batch(x_local, y_local, M, micro_batches)
         scale = 1.0 / max(1, total)
         b, first_row = len(micro[0][0]), self.mesh.dp_index * len(x_local)
@@ -303,7 +313,8 @@ class Trainer:
         for strategy, result in zip(self.strategies, results):
             strategy.end_step(result)
         self.steps_done += 1
-        return self.world.allreduce_value(record.loss if self.mesh.tp_index == 0 else 0.0)  # tp ranks: one loss
+        # tp ranks: one loss; cp ranks: each the share of its tokens, which add up
+        return self.world.allreduce_value(record.loss if self.mesh.tp_index == 0 else 0.0)
 
     def _squared_norm_with_experts(self, grads: list) -> float:
         """‖g‖² of the whole model with expert parallelism: the experts' part summed over the
@@ -376,7 +387,8 @@ class Trainer:
         during the forward, on every rank together). With a pipeline or tensor parallelism, rank 0
         loads the whole trained parameters into a fresh model from build() (its own `model` holds
         only its stages or slices, and under ZeRO-3 only shards); the other ranks evaluate nothing."""
-        if not self.pipelined and self.tensor_parallel is None and self.expert_sharding is None:
+        if not self.pipelined and self.tensor_parallel is None and self.expert_sharding is None \
+                and self.context_parallel is None:
             return model
         params = self.full_parameters()
         if self.rank != 0:
@@ -398,7 +410,7 @@ class Trainer:
                              "their pieces are slices of parameters or some of the experts; train with --tp 1 "
                              "--ep 1 to save, or without --save")
         mine = [s for s in self.stages if self.primary[s] == self.mesh.pp_index]
-        return self.sharding.checkpoint_pieces(mine, writes_whole=self.mesh.dp_index == 0)
+        return self.sharding.checkpoint_pieces(mine, writes_whole=self.mesh.leads_replica)
 
     def load_full_state(self, masters: dict, states: dict, step: int) -> None:
         if self.tensor_parallel is not None or self.expert_sharding is not None:
@@ -435,7 +447,7 @@ class Trainer:
                 for name, size in zip(names, sizes):
                     out[name] = host[offset:offset + size].reshape(self.whole_shapes[name]).copy()
                     offset += size
-        elif self.mesh.dp_index == 0 and self.mesh.tp_index == 0:
+        elif self.mesh.leads_replica and self.mesh.tp_index == 0:
             for s in self.stages:
                 if self.primary[s] == self.mesh.pp_index:
                     flat = backend.xp().concatenate([backend.asarray(mine[name]).reshape(-1)
@@ -456,6 +468,9 @@ class Trainer:
         if self.expert_sharding is not None:
             info["expert_parallel"] = {"ep": self.ep, "expert_data_parallel": self.mesh.edp_comm.size,
                                        "experts_per_rank": self.expert_runners[0].per_rank}
+        if self.context_parallel is not None:
+            info["context_parallel"] = {"cp": self.mesh.cp, "impl": self.context_parallel.impl,
+                                        "layout": self.context_parallel.layout}
         if self.tensor_parallel is not None:
             tp = self.tensor_parallel
             info["tensor_parallel"] = {"tp": self.tp, "sequence_parallel": tp.sequence_parallel,
@@ -477,7 +492,8 @@ class Trainer:
             "stages_of_rank": [list(placement.stages_of(r)) for r in range(self.pp)],
             "parameters_of_rank": [sum(sizes[s] for s in placement.stages_of(r)) for r in range(self.pp)],
             "zero": self.zero,
-            "sharding_group": self.dp,  # the data-parallel ranks over which gradients are reduced and state sharded
+            "sharding_group": self.mesh.dp_comm.size,  # the dp · cp ranks over which gradients are reduced and
+            # state sharded
             "stage_copies": 2 if self.copies is not None else 1,  # DualPipe: each stage twice per pipeline
         }
         pipeline.update(self.executor.observer.report())  # a tool's figures (timing: tools/timeline.py)

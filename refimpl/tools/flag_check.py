@@ -36,6 +36,7 @@ GOES_WITH = {"--zero": ("--prefetch", "--param-threshold"),
              "--pp": ("--schedule", "--micro-batches", "--chunks", "--no-overlap"),
              "--schedule": ("--chunks", "--no-overlap"),
              "--tp": ("--sequence-parallel", "--partition-activations"),
+             "--cp": ("--cp-impl",),
              "--checkpoint": ("--partition-activations",)}
 
 
@@ -72,7 +73,7 @@ def without(cfg, flag: str, world_size: int):
         field = "overlap" if each == "--no-overlap" else "dtype" if each == "--dtype" else each[2:].replace("-", "_")
         changes[field] = "float64" if each == "--dtype" else getattr(default, field)
     base = dataclasses.replace(cfg, **changes)
-    dp = max(1, world_size // (base.pp * base.tp))
+    dp = max(1, world_size // (base.pp * base.tp * base.cp))
     pipelined = base.pp > 1 or base.schedule is not None
     pieces = dp * ((base.micro_batches or 2 * base.pp) if pipelined else base.grad_accum)
     return dataclasses.replace(base, batch_size=math.lcm(cfg.batch_size, pieces))

@@ -185,6 +185,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tp: layer norms and dropouts on sequence shards (all-gather / reduce-scatter)")
     p.add_argument("--partition-activations", action="store_true",
                    help="with --tp and --checkpoint: keep 1/tp of each checkpointed block input per rank (ZeRO-R Pa)")
+    p.add_argument("--cp", type=int, default=1, metavar="C",
+                   help="context-parallel ranks per sequence (a GPT): each holds T/C of its tokens, attention over "
+                        "all of them (docs/context_parallel.md); data parallel = world size / (pp x tp x cp)")
+    p.add_argument("--cp-impl", choices=["ring", "ulysses"], default="ring",
+                   help="with --cp: ring attention (key/value blocks around the ring, load-balanced causal chunks) "
+                        "or Ulysses (all-to-all from sequence to head shards; heads per tp rank divisible by C)")
     p.add_argument("--experts", type=int, default=0, metavar="E",
                    help="mixture of experts: E expert MLPs per MoE block (default 0: the dense MLP)")
     p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts chosen per token (default 2)")

@@ -36,6 +36,7 @@ from refimpl.nn.models import ARCHITECTURES
 from refimpl.objective import to_input
 from refimpl.optim import OPTIMIZERS
 from refimpl.parallel.comm import get_world as world_of
+from refimpl.parallel.context_parallel.gpt import check_options as check_context_parallel
 from refimpl.parallel.tensor_parallel.gpt import check_options
 from refimpl.parallel.trainer import Trainer
 from refimpl.tools import timeline
@@ -104,6 +105,9 @@ class TrainConfig:
     aux_coef: float = 0.01
     ep: int = 1  # expert-parallel ranks (refimpl/parallel/experts.py), inside the data-parallel group
     overlap: bool = True  # DualPipe's F&B steps interleave F and B at their all-to-alls (pipeline/overlap.py)
+    # context parallelism (refimpl/parallel/context_parallel; docs/context_parallel.md)
+    cp: int = 1
+    cp_impl: str = "ring"
     # the block (refimpl/nn/models.py; docs/llama.md): gpt2, or llama with kv_heads and ffn_size
     arch: str = "gpt2"
     kv_heads: int | None = None
@@ -130,6 +134,8 @@ class TrainConfig:
         if self.pp < 1 or (self.micro_batches is not None and self.micro_batches < 1):
             raise ValueError(f"--pp and --micro-batches must be positive, got {self.pp} and {self.micro_batches}")
         self.check_tensor_parallel()
+        check_context_parallel(self.cp, self.cp_impl, self.seq_len, self.n_head, self.kv_heads or self.n_head,
+                               self.tp, self.model, self.dropout, self.experts)
         self.check_experts()
         self.check_arch()
         self.check_own_schedule()
@@ -318,7 +324,8 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
     process runs the distributed code path. Pipelines, ZeRO and mixed precision always take it
     (in one process over a one-rank world).
     """
-    layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed" or cfg.tp > 1 or cfg.ep > 1
+    layered = cfg.pp > 1 or cfg.schedule is not None or cfg.zero or cfg.dtype == "mixed" or cfg.tp > 1 or cfg.ep > 1 \
+        or cfg.cp > 1
     if not layered and (world is None or (distributed is None and world.size == 1) or distributed is False):
         if cfg.checkpoint != "none":
 
@@ -334,7 +341,7 @@ def make_trainer(cfg: TrainConfig, model, world=None, distributed: bool | None =
                       prefetch=cfg.prefetch, param_threshold=cfg.param_threshold, precision=cfg.dtype, clip=cfg.clip,
                       checkpoint=cfg.checkpoint, budget=cfg.mem_budget, tp=cfg.tp,
                       sequence_parallel=cfg.sequence_parallel, partition_activations=cfg.partition_activations,
-                      ep=cfg.ep, overlap=cfg.overlap)
+                      ep=cfg.ep, overlap=cfg.overlap, cp=cfg.cp, cp_impl=cfg.cp_impl)
     timeline.install(trainer, costs, cfg.trace)  # the pipeline's timing, pacing and trace (tools/timeline.py)
     return trainer
 

@@ -8,7 +8,8 @@ revolve), the MLP, and, where the world size allows, every pipeline schedule on 
 (`verify --sweep N --schedule NAME`: only pipelines of that schedule, a schedule of your own included)
 (with every ZeRO stage and checkpointing inside the stages), and tensor parallelism (tp 2 or 4,
 with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
-stage, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
+stage, context parallelism (cp 2 or 4, ring attention or Ulysses; without dropout and experts,
+which it refuses) on the GPT with or without tp and a pipeline, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
 parallelism over 1, 2 or 4 ranks) without tensor parallelism; the GPT's block is GPT-2's or, without
 experts, Llama's (grouped-query attention, SwiGLU; docs/llama.md). All in float64 with small models,
 2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py). A trainer of your
@@ -99,9 +100,10 @@ def draw_flags(world_size: int, choose, schedules=None, implements=None) -> list
         layers_per_stage = choose("layers_per_stage", [1, 2])
         n_layer = stages * layers_per_stage - (1 if model == "mlp" else 0)  # an MLP stage may be a lone output layer
         tp = _draw_tensor_parallel(flags, world_size // pp, choose, has) if model == "gpt" and has("--tp") else 1
-        if model == "gpt" and tp == 1 and has("--ep"):
+        cp = _draw_context_parallel(flags, world_size // (pp * tp), tp, choose, has) if model == "gpt" else 1
+        if model == "gpt" and tp == 1 and cp == 1 and has("--ep"):
             _draw_experts(flags, world_size // pp, choose)
-        dp = world_size // (pp * tp)
+        dp = world_size // (pp * tp * cp)
         zero = choose("zero", [0, 1, 2, 3]) if has("--zero") else 0
         flags += ["--schedule", name, "--pp", pp, "--micro-batches", m, "--n-layer", max(n_layer, 1),
                   "--batch-size", dp * m * choose("examples_per_micro_batch", [1, 2])]
@@ -117,8 +119,9 @@ def draw_flags(world_size: int, choose, schedules=None, implements=None) -> list
             stage_plans = ["none", "every:1", "sqrt", "auto:memory", "auto:speed"]
             flags += ["--checkpoint", choose("stage_checkpoint", stage_plans)]
     else:
-        if model == "gpt" and has("--tp") and _draw_tensor_parallel(flags, world_size, choose, has) == 1 \
-                and has("--ep"):
+        tp = _draw_tensor_parallel(flags, world_size, choose, has) if model == "gpt" and has("--tp") else 1
+        cp = _draw_context_parallel(flags, world_size // tp, tp, choose, has) if model == "gpt" else 1
+        if model == "gpt" and has("--tp") and tp == 1 and cp == 1 and has("--ep"):
             _draw_experts(flags, world_size, choose)
         zero = choose("zero", [0, 1, 2, 3]) if has("--zero") else 0
         accum = choose("grad_accum", [1, 2, 3]) if has("--grad-accum") else 1
@@ -143,7 +146,8 @@ def draw_flags(world_size: int, choose, schedules=None, implements=None) -> list
         if has("--checkpoint"):
             flags += ["--checkpoint", checkpoint]
     if model == "gpt":
-        flags += ["--dropout", choose("dropout", [0.0, 0.1]), "--seed", choose("seed", [0, 1, 2])]
+        dropouts = [0.0] if "--cp" in flags else [0.0, 0.1]  # context parallelism refuses dropout
+        flags += ["--dropout", choose("dropout", dropouts), "--seed", choose("seed", [0, 1, 2])]
         if implements is None and "--experts" not in flags:  # refimpl's trainer: Llama's block too
             _draw_llama(flags, choose)
     return [str(f) for f in flags]
@@ -158,8 +162,27 @@ def _draw_llama(flags: list, choose) -> None:
     n_head = choose("llama_heads", [2, 4]) if int(flags[flags.index("--n-head") + 1]) == 2 else 4
     flags[flags.index("--n-head") + 1] = str(n_head)
     tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
-    kv_heads = choose("kv_heads", [k for k in range(1, n_head + 1) if n_head % k == 0 and k % tp == 0])
+    ulysses = int(flags[flags.index("--cp") + 1]) if "ulysses" in flags else 1  # Ulysses: kv heads per tp rank ÷ cp
+    kv_heads = choose("kv_heads", [k for k in range(1, n_head + 1)
+                                   if n_head % k == 0 and k % tp == 0 and (k // tp) % ulysses == 0])
     flags += ["--arch", "llama", "--kv-heads", kv_heads, "--ffn-size", choose("ffn_size", [12, 20])]
+
+
+def _draw_context_parallel(flags: list, ranks: int, tp: int, choose, has) -> int:
+    """Draw --cp among the divisors 2 and 4 of `ranks` (cp 1 as likely as all others together) and,
+    with cp > 1, --cp-impl: Ulysses where tp · cp ≤ 4 (then the heads become tp · cp, so that each
+    rank gets whole heads); adds the flags and returns cp. The sequence (8 tokens) divides by 2 · 4."""
+    if not has("--cp"):
+        return 1
+    sizes = [c for c in (2, 4) if ranks % c == 0]
+    cp = choose("cp", [1] * max(1, len(sizes)) + sizes)
+    if cp > 1:
+        impl = choose("cp_impl", ["ring", "ulysses"] if has("--cp-impl") and tp * cp <= 4 else ["ring"])
+        if impl == "ulysses":
+            heads = flags.index("--n-head") + 1
+            flags[heads] = str(max(int(flags[heads]), tp * cp))
+        flags += ["--cp", cp, "--cp-impl", impl]
+    return cp
 
 
 def _draw_tensor_parallel(flags: list, ranks: int, choose, has=lambda flag: True) -> int:

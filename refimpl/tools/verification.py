@@ -173,13 +173,15 @@ def configuration(cfg, world_size: int, declared, not_exercised=()) -> dict:
         flags.update({"--experts": cfg.experts, "--top-k": cfg.top_k})
     pipelined = cfg.pp > 1 or cfg.schedule is not None
     shown = set(flags_used(cfg)) | {"--zero", "--checkpoint"} | \
-        ({"--schedule", "--micro-batches"} if pipelined else {"--grad-accum"})
+        ({"--schedule", "--micro-batches"} if pipelined else {"--grad-accum"}) | \
+        ({"--cp-impl"} if cfg.cp > 1 else set())
     values = {"--no-overlap": not cfg.overlap, "--schedule": cfg.schedule or ("1f1b" if pipelined else None),
               "--micro-batches": cfg.micro_batches or (2 * cfg.pp if pipelined else None)}
     for flag in IMPLEMENTATION_FLAGS:
-        if flag in declared and flag in shown and flag not in ("--dtype", "--pp", "--tp"):
+        if flag in declared and flag in shown and flag not in ("--dtype", "--pp", "--tp", "--cp"):
             flags[flag] = values.get(flag, getattr(cfg, flag[2:].replace("-", "_"), None))
-    return {"world_size": world_size, "dp": world_size // (cfg.pp * cfg.tp), "pp": cfg.pp, "tp": cfg.tp,
+    return {"world_size": world_size, "dp": world_size // (cfg.pp * cfg.tp * cfg.cp), "pp": cfg.pp, "tp": cfg.tp,
+            "cp": cfg.cp,
             "flags": flags, "implements": sorted(declared), "not_exercised": list(not_exercised)}
 
 
@@ -188,7 +190,8 @@ def described(conf: dict) -> str:
     flags = " ".join(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
                      for flag, value in conf["flags"].items())
     idle = conf.get("not_exercised")
-    return f"dp {conf['dp']} x pp {conf['pp']} x tp {conf['tp']}: {flags}" + \
+    cp = f" x cp {conf['cp']}" if conf.get("cp", 1) > 1 else ""
+    return f"dp {conf['dp']} x pp {conf['pp']} x tp {conf['tp']}{cp}: {flags}" + \
         (f" (not exercised in this configuration: {' '.join(idle)})" if idle else "")
 
 
@@ -369,7 +372,11 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
                          "computed with the reference's float32 arithmetic, and tensor parallelism changes it (sliced "
                          "GEMMs, partial sums over ranks: float32 noise in gradients that are exactly zero, such as "
                          "the key bias', which AdamW turns into up to 2·lr); verify --tp in float64")
-    dp = world.size // (cfg.pp * cfg.tp)
+    if mixed and cfg.cp > 1:
+        raise ValueError(f"verify --dtype {cfg.dtype} bounds only 16-bit rounding of the reference's arithmetic, and "
+                         "context parallelism changes it (attention as blockwise online-softmax merges over the "
+                         "ranks' key/value blocks, gradients summed over token shards); verify --cp in float64")
+    dp = world.size // (cfg.pp * cfg.tp * cfg.cp) * cfg.cp  # the gradient's pieces: replicas x token shards
     if cfg.pp > 1 or cfg.schedule is not None:  # the batch's pieces: dp replicas x M pipeline micro-batches
         pieces = (dp, cfg.micro_batches or 2 * cfg.pp)
     else:

@@ -7,9 +7,11 @@
     ring_attention.py   ring attention: queries stay, key/value blocks travel around the ring
     ulysses.py          DeepSpeed-Ulysses: all-to-all from sequence shards to head shards and back
     accounting.py       score elements, bytes sent and saved bytes per rank, as formulas
+    gpt.py              the GPT on this rank's tokens: global positions, attention over the group
+                        (the trainer's --cp axis: mesh.py's cp_comm, gradients summed over dp x cp)
 
-These are standalone autograd Functions over a communicator (parallel/comm.py); the distributed
-trainer does not use them yet. Import each from its module:
+The attention functions are autograd Functions over a communicator (parallel/comm.py), usable
+alone; the trainer installs them through gpt.py. Import each from its module:
 
     from refimpl.parallel.context_parallel.ring_attention import ring_attention
     from refimpl.parallel.context_parallel.ulysses import ulysses_attention

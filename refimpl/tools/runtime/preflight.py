@@ -309,7 +309,8 @@ def estimate(cfg, vocab: int, seq: int, world_size: int = 1, rank: int = 0, task
     p, g, k = bytes_per_parameter(cfg.dtype if cfg.dtype in ("mixed", "bf16", "float64") else "float32", cfg.optimizer)
     state = 4 if mixed else p  # bytes of an optimizer-state element
     pipeline = cfg.pp > 1 or cfg.schedule is not None
-    dp = max(1, world_size // (cfg.pp * cfg.tp))  # the data-parallel group: it splits the batch, ZeRO shards over it
+    dp = max(1, world_size // (cfg.pp * cfg.tp * cfg.cp))  # the data-parallel group: it splits the batch, ZeRO
+    # shards over it (and over cp: a bound; each cp rank also holds only T/cp of the activations counted here)
     masks = cfg.n_layer * seq * seq if cfg.model == "gpt" else 0  # one (s, s) bool causal mask per block
     padded = psi + (world_size - 1) * sum(c for _, c in tensors)  # ≤ N−1 elements per flat buffer
     # a bucket or flat group (data_parallel.assign_buckets), and the most elements one optimizer update touches
