@@ -44,6 +44,7 @@ MAY_CHANGE = frozenset({
     "prefetch", "param_threshold", "mem_budget", "checkpoint",  # memory: gathering, budgets, recomputation
     "pp", "schedule", "micro_batches", "chunks", "action_costs", "trace",  # the pipeline's layout
     "tp", "sequence_parallel", "partition_activations", "ep", "overlap",  # tp, ep, F&B overlap: the same model
+    "cp", "cp_impl",  # context parallelism: the same sequences, their tokens over ranks
 })
 
 
