@@ -89,7 +89,8 @@ FIGURE = r"(?P<figure>\d+(?:\.\d+)?(?:e[-+]\d+)?)(?P<name> \([\w.]+\))?"
 
 # Pages whose generated blocks this script renders (the others are left to their own generators).
 PAGES = ["index.md", "design.md", "tutorials.md", "cluster.md", "verify_your_algorithm.md", "pipeline_parallel.md",
-         "checkpointing.md", "tensor_parallel.md", "experts.md", "cluster_model.md", "course.md"]
+         "checkpointing.md", "tensor_parallel.md", "context_parallel.md", "experts.md", "cluster_model.md",
+         "course.md"]
 DELEGATED = {"pipeline_schedules.md": ROOT / "benchmarks" / "pipeline_schedule_docs.py",
              "zero.md": ROOT / "benchmarks" / "zero_docs.py"}
 

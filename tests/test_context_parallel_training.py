@@ -4,11 +4,11 @@ ring attention and Ulysses at cp 2 and 4, with tp, pipelines, ZeRO and checkpoin
 over three axes), resuming at another cp, and the refusals (one line each). The drawn property
 tests (tests/test_verify_drawn.py) draw cp too, through refimpl/tools/sweep.py."""
 
-import json
 from collections import defaultdict
 
 import pytest
-from mpi_util import PROGRAMS, last_json, run_local, run_mpi
+from mpi_util import last_json, run_local, run_mpi
+from test_verify_drawn import verify_many
 
 from refimpl.parallel.mesh import Mesh
 from refimpl.tools.sweep import SMALL
@@ -92,16 +92,8 @@ PINNED = {
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("world", sorted(PINNED))
-def test_pinned_context_parallel_configurations_equal_single_process_training(world, tmp_path):
-    path = tmp_path / "configs.json"
-    path.write_text(json.dumps(PINNED[world]))
-    done = run_mpi(world, [PROGRAMS / "verify_many.py", path], timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    results = last_json(done)
-    assert len(results) == len(PINNED[world])
-    failed = [f"mpiexec -n {world} python -m refimpl verify {' '.join(r['flags'])}: {r['problems'][:2]}"
-              for r in results if not r["ok"]]
-    assert not failed, "\n".join(failed)
+def test_pinned_context_parallel_configurations_equal_single_process_training(world, tmp_path_factory):
+    results = verify_many(world, PINNED[world], tmp_path_factory)  # counted in the suite's summary line
     assert all(0 <= r["tolerance_used"] <= 1 for r in results)
 
 

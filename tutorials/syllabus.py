@@ -48,7 +48,7 @@ QUESTION_MINUTES = 15
 # Measured once on a 2-core machine (2026-12-03) with the reference solutions: every tutorial ran
 # in 0.2 to 12 s (09 and 12, which launch mpiexec, the longest); rounded up to whole minutes.
 RUN_MINUTES = {"01": 1, "02": 1, "03": 1, "04": 1, "05": 1, "06": 1, "07": 1, "08": 1, "09": 1, "10": 1, "11": 1,
-               "12": 1, "13": 1}
+               "12": 1, "13": 1, "14": 1}
 
 # number -> (objectives, prerequisites, papers and sections)
 SYLLABUS = {
@@ -90,6 +90,11 @@ SYLLABUS = {
     "13": ("record a forward graph, find its articulation points, choose checkpoints by the gradient-"
            "checkpointing package's rules (memory, speed) and by a rule of your own; measure memory and "
            "recomputation", "01, 06", "Salimans and Bulatov 2018 (gradient-checkpointing); Chen et al. 2016, §4"),
+    "14": ("split a sequence over C ranks: write the online-softmax merge, the load-balanced chunk assignment "
+           "and the causal work per rank; count ring attention's bytes with and without the causal skip; "
+           "compare the ring with Ulysses", "02, 03, 10",
+           "Liu et al. 2023 (ring attention); Jacobs et al. 2023 (DeepSpeed-Ulysses); Dao et al. 2022 "
+           "(FlashAttention), §3.1"),
 }
 
 

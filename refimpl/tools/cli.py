@@ -1,6 +1,6 @@
 """Command line:
-`python -m refimpl {train, verify, distance, golden, schedule, memory, consolidate, tensor-parallel, predict, plan,
-calibrate} ...`.
+`python -m refimpl {train, verify, distance, golden, schedule, memory, consolidate, tensor-parallel, context-parallel,
+predict, plan, calibrate} ...`.
 
 Each command lives in its own module in refimpl/tools/commands/, which provides `add_arguments(parser)`
 and `run(args) -> int`; this file only dispatches. Errors that come from bad input are printed as one
@@ -33,6 +33,9 @@ COMMANDS = {
     "consolidate": ("refimpl.tools.commands.consolidate", "merge a sharded checkpoint into one state dict (.npz)"),
     "tensor-parallel": ("refimpl.tools.commands.tensor_parallel",
                         "tensor parallelism's activation, byte and parameter formulas beside the measurement"),
+    "context-parallel": ("refimpl.tools.commands.context_parallel",
+                         "context parallelism's byte, saved-activation and attention-work formulas beside the "
+                         "measurement"),
     "predict": ("refimpl.tools.commands.predict", "memory per GPU and step time of one configuration on a cluster"),
     "plan": ("refimpl.tools.commands.plan",
              "search the parallel configurations of a model on a cluster for the fastest"),

@@ -280,8 +280,9 @@ def add_model_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> No
 
 
 def describe_run(r: Run) -> str:
+    cp = f" × cp {r.cp} ({r.cp_impl})" if getattr(r, "cp", 1) > 1 else ""
     text = (f"L={r.n_layer} h={r.d_model} a={r.n_head} s={r.seq_len} V={r.vocab_size}; dp {r.dp} × tp {r.tp} × "
-            f"pp {r.pp} = {r.gpus} GPUs; ZeRO-{r.zero}, {r.dtype}, checkpoint {r.checkpoint}")
+            f"pp {r.pp}{cp} = {r.gpus} GPUs; ZeRO-{r.zero}, {r.dtype}, checkpoint {r.checkpoint}")
     if r.pp > 1:
         text += f", {r.schedule}" + (f" (chunks {r.chunks})" if r.chunks else "")
     if r.sequence_parallel:

@@ -9,8 +9,9 @@ revolve), the MLP, and, where the world size allows, every pipeline schedule on 
 (with every ZeRO stage and checkpointing inside the stages), and tensor parallelism (tp 2 or 4,
 with and without sequence parallelism) on the GPT, with or without a pipeline, under any ZeRO
 stage, context parallelism (cp 2 or 4, ring attention or Ulysses; without dropout and experts,
-which it refuses) on the GPT with or without tp and a pipeline, and mixtures of experts (E 2, 4, 8; K 1, 2; dropless or with a capacity factor; expert
-parallelism over 1, 2 or 4 ranks) without tensor parallelism; the GPT's block is GPT-2's or, without
+which it refuses) on the GPT with or without tp and a pipeline, and mixtures of experts (E 2, 4, 8;
+K 1, 2; dropless or with a capacity factor; expert parallelism over 1, 2 or 4 ranks) without tensor
+parallelism; the GPT's block is GPT-2's or, without
 experts, Llama's (grouped-query attention, SwiGLU; docs/llama.md). All in float64 with small models,
 2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py). A trainer of your
 own (`verify --sweep N --trainer ...`) gets only the flags it declares in `implements`

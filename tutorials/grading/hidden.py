@@ -40,6 +40,14 @@ DRAWS = {
     "10.4": lambda rng: (lambda t: (_int(rng, 1, 6), t * _int(rng, 1, 6), t * _int(rng, 1, 6), t,
                                     int(rng.choice([2, 4, 8])), bool(rng.integers(2)), bool(rng.integers(2))))(
         _int(rng, 1, 8)),
+    "14.2": lambda rng: (lambda C: (C, _int(rng, 0, C - 1), str(rng.choice(["balanced", "contiguous"]))))(
+        _int(rng, 1, 16)),
+    "14.3": lambda rng: (lambda C: (C, _int(rng, 0, C - 1), _int(rng, 1, 64),
+                                    str(rng.choice(["balanced", "contiguous"]))))(_int(rng, 1, 16)),
+    "14.4": lambda rng: (lambda C: (C, _int(rng, 1, 4), _int(rng, 1, 16), 2 * C * _int(rng, 1, 64), _int(rng, 1, 128),
+                                    int(rng.choice([2, 4, 8]))))(_int(rng, 1, 16)),
+    "14.5": lambda rng: (lambda C: (C, _int(rng, 0, C - 1), _int(rng, 1, 4), _int(rng, 1, 16), 2 * C * _int(rng, 1, 64),
+                                    _int(rng, 1, 128), int(rng.choice([2, 4, 8]))))(_int(rng, 1, 16)),
 }
 
 

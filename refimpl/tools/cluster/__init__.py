@@ -4,7 +4,8 @@
     collectives.py  the α–β cost of messages and ring / hierarchical collectives
     pipeline.py     the schedule simulator on the model's action times (long runs extrapolated)
     model.py        memory per GPU and time per step of one configuration (`predict`)
-    plan.py         the search over dp × tp × pp, ZeRO, recomputation, schedules, micro-batches (`plan`)
+    context.py      context parallelism's attention: ring or Ulysses time, bytes and memory per rank
+    plan.py         the search over dp × tp × cp × pp, ZeRO, recomputation, schedules, micro-batches (`plan`)
     calibrate.py    this machine's α, β, GEMM rate and per-operation overhead (`calibrate`)
     published.py    published results at 64+ GPUs, and the model's error on each
 

@@ -2,8 +2,13 @@
 
 A run is a GPT (L blocks of width h, a heads, sequence s, vocabulary V; optionally a mixture of E
 experts, K per token) trained with a global batch of B sequences in micro-batches of b, on
-dp × tp × pp GPUs (Megatron-LM's layout, parallel/mesh.py), a ZeRO stage, a precision, a
-checkpoint mode and a pipeline schedule. Every term is a formula refimpl's executed code is tested
+dp × tp × cp × pp GPUs (Megatron-LM's layout, parallel/mesh.py: tp fastest, then cp, dp, pp), a
+ZeRO stage, a precision, a checkpoint mode and a pipeline schedule. With context parallelism
+(cp > 1, cluster/context.py) every rank runs every layer on T/cp tokens of each sequence, the
+parameters are replicated over cp, and so gradients reduce (and ZeRO shards) over dp · cp ranks;
+attention becomes the blockwise kernel's balanced causal count, and its transfers (the ring's,
+overlapped with each block, or Ulysses' all-to-alls) are the cp communication. At cp = 1 every
+term below is as it was. Every term is a formula refimpl's executed code is tested
 against, or the schedule simulator itself; what is new here is only the hardware (α–β links,
 FLOP/s, memory bandwidth) and one fixed set of efficiencies, `EFFICIENCY`.
 
@@ -55,6 +60,12 @@ bucketed DDP and ZeRO-1/2 reduce during each stage's last backward: exposed max(
 bucket); ZeRO-1/2 all-gather the updated shards after the step, exposed), plus the optimizer
 (Adam, memory-bound: G + 2K + 2P bytes per parameter of the shard).
 
+Context parallelism changes, per rank: N = b·s/cp tokens in every term above; the attention core
+is 4·D per score element that accounting.score_elements counts (not 4·N·s·h/tp), with its softmax
+traffic per score, and the blockwise backward recomputes the scores (half the core, and the
+softmax) whatever the checkpoint mode (selective then adds nothing); activations keep no scores
+and add the log-sum-exp; the working set is one chunk pair; buffers add the blocks in flight.
+
 Outputs: the memory and time breakdowns, tokens per second, and MFU as Chowdhery et al. 2022
 (PaLM, appendix B) define it: model FLOPs 6·N_params·tokens + 12·L·h·s·tokens (N_params: the
 matrix parameters, the head included; recomputation not counted) ÷ (step time × GPUs × peak).
@@ -76,6 +87,7 @@ from refimpl.memory import (
 )
 from refimpl.parallel.pipeline.schedules import SCHEDULES, build
 
+from . import context
 from .collectives import Group, Links
 from .hardware import Cluster
 from .pipeline import estimate_step, parameter_copies, simulate_step, visits
@@ -132,10 +144,17 @@ class Run:
     top_k: int = 2
     moe_every: int = 1
     ep: int = 1
+    cp: int = 1  # context-parallel ranks per sequence (cluster/context.py)
+    cp_impl: str = "ring"  # ring or ulysses
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks that hold the same parameters and reduce (or, ZeRO, shard) them: dp · cp."""
+        return self.dp * self.cp
 
     @property
     def micro_batches(self) -> int:
@@ -168,6 +187,7 @@ class Run:
             raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}; got {self.checkpoint!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tp > 1")
+        context.check(self)
         if self.experts:
             if self.experts % self.ep or self.dp % self.ep:
                 raise ValueError(f"--ep {self.ep} must divide --experts {self.experts} and dp {self.dp}")
@@ -254,7 +274,7 @@ def _add(d: dict, key: str, value: float) -> None:
 def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last: bool = True) -> ActionTimes:
     """F, I, W of one stage and micro-batch, and P, by part: compute, recompute, tp, zero3."""
     h, s, a, t, b, V = run.d_model, run.seq_len, run.n_head, run.tp, run.micro_batch_size, run.vocab_size
-    N = b * s
+    N = b * s // run.cp  # this rank's tokens (context parallelism: T/cp of each sequence)
     e = _itemsize(run.dtype)
     flops = cluster.flops(run.dtype)
     links = Links.of(cluster, eff.network)
@@ -267,10 +287,16 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
     dense_gemm = 24 * N * h * h / t
     moe_gemm = 8 * N * h * h / t + run.top_k * 16 * N * h * h + 2 * N * h * run.experts
     gemm = (blocks - moe) * dense_gemm + moe * moe_gemm
-    core = blocks * 4 * N * s * h / t
     whole = (4 + 6) * h + (9 * h if run.dropout else 0)  # layer norms, residual adds, dropouts
-    split = 8 * h + 2 * a * s + (3 * a * s if run.dropout else 0)  # GeLU; softmax (and its dropout) per head
-    traffic = blocks * N * e * ((whole / t if sp else whole) + split / t)
+    if run.cp == 1:  # dense attention: every score of the T×T product
+        core = blocks * 4 * N * s * h / t
+        split = 8 * h + 2 * a * s + (3 * a * s if run.dropout else 0)  # GeLU; softmax (and its dropout) per head
+        traffic = blocks * N * e * ((whole / t if sp else whole) + split / t)
+    else:  # blockwise attention on T/cp tokens: the score elements refimpl computes (cluster/context.py)
+        attention = context.layer_times(run, cluster, links, flops * eff.attention, e)
+        core = blocks * attention.flops
+        softmax = blocks * e * (2 + (3 if run.dropout else 0)) * attention.scores  # softmax (and dropout) per score
+        traffic = blocks * N * e * ((whole / t if sp else whole) + 8 * h / t) + softmax
     overhead = blocks * (OPERATIONS_PER_DROPOUT_BLOCK if run.dropout else OPERATIONS_PER_BLOCK) * cluster.op_overhead
     blocks_forward = gemm / gemm_rate + core / core_rate + traffic / bandwidth + overhead
     times = ActionTimes()
@@ -297,16 +323,26 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
         if run.checkpoint == "full":
             _add(times.I, "tp", blocks * forward)
 
+    # Context parallelism: what the ring's overlap or Ulysses' all-to-alls leave exposed.
+    if run.cp > 1:
+        _add(times.F, "cp", blocks * attention.forward_exposed)
+        _add(times.I, "cp", blocks * attention.backward_exposed)
+        if run.checkpoint == "full":
+            _add(times.I, "cp", blocks * attention.forward_exposed)
+
     # Recomputation, charged to the backward that needs it.
     if run.checkpoint == "full":
         _add(times.I, "recompute", blocks_forward)  # the blocks again; the head is not checkpointed
-    elif run.checkpoint == "selective":
+    elif run.checkpoint == "selective" and run.cp == 1:
         _add(times.I, "recompute", core / core_rate + blocks * N * e * (2 * a * s / t) / bandwidth)
+    if run.cp > 1:  # blockwise backward recomputes every block's scores and softmax, whatever the checkpoint
+        recomputed_softmax = blocks * e * 2 * attention.scores  # exp(s − L) of every block again, as selective's
+        _add(times.I, "recompute", context.RECOMPUTED_PRODUCTS * core / core_rate + recomputed_softmax / bandwidth)
 
     # ZeRO-3: the stage's parameters gathered for F and for B, gradients reduce-scattered in B,
     # prefetched behind the compute (exposed: what the compute does not cover, and the first block).
-    if run.zero == 3 and run.dp > 1:
-        dp_group = Group.of(run.dp, t, cluster)
+    if run.zero == 3 and run.gradient_ranks > 1:
+        dp_group = Group.of(run.gradient_ranks, t, cluster)
         dense, experts = rank_parameters(run, first=False, last=last)
         stages_held = visits(run.schedule, run.chunks) * parameter_copies(run.schedule) if run.pp > 1 else 1
         psi_stage = (dense + experts) / stages_held  # the parameters of the stage this action runs
@@ -331,7 +367,7 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
 
     # A pipeline message: the activation (or its gradient) of one micro-batch.
     if run.pp > 1:
-        across = run.dp * run.tp >= cluster.gpus_per_node
+        across = run.dp * run.tp * run.cp >= cluster.gpus_per_node
         times.P = links.send(nh / t if sp else nh, across)
     return times
 
@@ -361,6 +397,7 @@ class Prediction:
     micro_batches: int
     peak_in_flight: int
     simulated_micro_batches: tuple = ()
+    context_parallel: dict = field(default_factory=dict)  # cp > 1: bytes per layer and rank, the cp group's links
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -397,7 +434,9 @@ def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate:
     time = {"compute": 0.0, "recompute": 0.0, "tp_communication": 0.0, "zero3_communication": 0.0,
             "ep_communication": 0.0}
     names = {"compute": "compute", "recompute": "recompute", "tp": "tp_communication", "zero3": "zero3_communication",
-             "ep": "ep_communication"}
+             "ep": "ep_communication", "cp": "cp_communication"}
+    if run.cp > 1:
+        time["cp_communication"] = 0.0
     for kind in ("F", "I", "W"):
         for part, seconds in getattr(t_last, kind).items():
             time[names[part]] += n * seconds
@@ -417,15 +456,25 @@ def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate:
                       model_flops_per_gpu_per_second=per_gpu, mfu=per_gpu / cluster.flops(run.dtype),
                       memory_per_gpu_bytes=total, fits=total <= cluster.memory_bytes, memory=memory, time=time,
                       parameters=parameters(run), micro_batches=m, peak_in_flight=max(peaks),
-                      simulated_micro_batches=simulated)
+                      simulated_micro_batches=simulated, context_parallel=_context_parallel(run, cluster))
+
+
+def _context_parallel(run: Run, cluster: Cluster) -> dict:
+    """What `predict` reports of the cp group (empty at cp 1)."""
+    if run.cp == 1:
+        return {}
+    cp_group = context.group(run, cluster)
+    per_layer = context.bytes_per_layer(run, _itemsize(run.dtype))
+    return {"impl": run.cp_impl, "bytes_per_layer": per_layer, "inside_a_node": cp_group.per_node == run.cp,
+            "tokens_per_rank": run.seq_len // run.cp}
 
 
 def _dp_exposed(run: Run, cluster: Cluster, eff: Efficiency, backward: float) -> float:
     """The data-parallel reduction the last backward does not hide, and ZeRO-1/2's all-gather."""
-    if run.dp == 1 or run.zero == 3:
+    if run.gradient_ranks == 1 or run.zero == 3:
         return 0.0  # ZeRO-3's traffic is inside the actions
     links = Links.of(cluster, eff.network)
-    group = Group.of(run.dp, run.tp, cluster)
+    group = Group.of(run.gradient_ranks, run.tp, cluster)  # dp · cp ranks, tp apart (mesh.py)
     dense, experts = rank_parameters(run, first=True, last=run.pp == 1)
     p_bytes, g_bytes, _ = PRECISIONS[run.dtype]
     grads = dense * g_bytes
@@ -441,7 +490,7 @@ def _dp_exposed(run: Run, cluster: Cluster, eff: Efficiency, backward: float) ->
 def _optimizer_seconds(run: Run, cluster: Cluster, eff: Efficiency) -> float:
     dense, experts = rank_parameters(run, first=True, last=run.pp == 1)
     p_bytes, g_bytes, k_bytes = PRECISIONS[run.dtype]
-    shard = dense / run.dp if run.zero else dense
+    shard = dense / run.gradient_ranks if run.zero else dense
     shard += experts / (run.dp // run.ep) if run.zero else experts
     share = eff.memory if eff.optimizer is None else eff.optimizer
     return shard * (g_bytes + 2 * k_bytes + 2 * p_bytes) / (cluster.memory_bandwidth * share)
@@ -453,30 +502,36 @@ def memory_breakdown(run: Run, cluster: Cluster, in_flight: int, first: bool, la
     e = _itemsize(run.dtype)
     p_bytes, g_bytes, k_bytes = PRECISIONS[run.dtype]
     dense, experts = rank_parameters(run, first, last)
-    n, n_experts = run.dp, run.dp // run.ep  # ZeRO partitions the experts over their own group, dp / ep
+    n, n_experts = run.gradient_ranks, run.dp // run.ep  # ZeRO partitions over dp · cp; the experts over dp / ep
     out = {}
     for category, per_parameter in (("parameters", p_bytes), ("gradients", g_bytes), ("optimizer_states", k_bytes)):
         held = dense / n + experts / n_experts if partitions(run.zero, category) else dense + experts
         out[category] = per_parameter * held  # memory.py's ZeRO table
     blocks, sp = run.blocks_per_stage, run.sequence_parallel
-    recompute = "selective" if run.checkpoint == "selective" else "none"
-    per_block = e * sum(saved_elements_per_block(b, s, h, a, t, sp, run.dropout, recompute).values())
+    tokens = s // run.cp  # of each sequence, on this rank
+    recompute = "selective" if run.checkpoint == "selective" or run.cp > 1 else "none"  # cp: blockwise, no scores
+    per_block = e * sum(saved_elements_per_block(b, tokens, h, a, t, sp, run.dropout, recompute).values())
+    if run.cp > 1:
+        per_block += e * context.saved_elements(run)  # the log-sum-exp
     if run.experts:  # the stage's share of MoE blocks, averaged over its blocks
         per_block += e * moe_blocks(run, blocks) / blocks * b * s * expert_elements_per_token(h, run.experts, run.top_k)
     kept = per_block
     if run.checkpoint == "full":  # a checkpointed block keeps only its input
-        kept = e * saved_elements_per_block(b, s, h, a, t, sp, recompute="full")["input"]
+        kept = e * saved_elements_per_block(b, tokens, h, a, t, sp, recompute="full")["input"]
     activations = in_flight * blocks * kept
-    logits = saved_elements_outside_blocks(b, s, h, V, tp=t)["loss"]  # N·⌈V/t⌉ on this tp rank
+    logits = saved_elements_outside_blocks(b, tokens, h, V, tp=t)["loss"]  # N·⌈V/t⌉ on this tp rank
     if last:
         activations += 4 * logits  # the head's float32 logits, kept for the loss's backward
     out["activations"] = activations
-    working = max(2 * b * (a / t) * s * s * e, 2 * 4 * logits)
+    scores = 2 * b * (a / t) * s * s * e if run.cp == 1 else context.working_elements(run) * e
+    working = max(scores, 2 * 4 * logits)
     out["working"] = working + (per_block if run.checkpoint == "full" else 0)  # the block being recomputed
-    buffers = 2 * e * b * s * h if run.pp > 1 else 0
+    buffers = 2 * e * b * tokens * h if run.pp > 1 else 0
     if run.zero == 3:
         buffers += 2 * p_bytes * (12 * h * h // t)
-    elif run.dp > 1:
+    elif run.gradient_ranks > 1:
         buffers += 2 * min(BUCKET_BYTES, g_bytes * dense)
+    if run.cp > 1:
+        buffers += context.buffer_bytes(run, e)
     out["buffers"] = buffers
     return {k: int(v) for k, v in out.items()}

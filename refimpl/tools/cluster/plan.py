@@ -3,10 +3,13 @@
 The search space (what Megatron-LM's and DeepSpeed's users choose by hand):
 
     tp          powers of two up to a node's GPUs, dividing the heads
-    pp          divisors of the layer count (every stage gets whole blocks), with tp · pp dividing G
-    dp          G / (tp · pp), dividing the global batch into whole micro-batches
+    cp          for long sequences (seq_len ≥ LONG_SEQUENCE, or up to max_cp when given): the
+                divisors C of G / tp with the sequence divisible by 2C (layout.py's chunks), each
+                with ring attention, and with Ulysses where tp · C divides the heads
+    pp          divisors of the layer count (every stage gets whole blocks), with tp · cp · pp dividing G
+    dp          G / (tp · cp · pp), dividing the global batch into whole micro-batches
     ZeRO        0, 1, 2, 3
-    recompute   none, selective, full
+    recompute   none, selective, full (with cp > 1 selective is the same as none, and not searched)
     schedule    1f1b, interleaved (2 chunks), zb1p, dualpipe  (pp > 1; the generators' own rules)
     micro-batch 1 … 8 sequences
     sequence parallelism on and off (tp > 1)
@@ -50,6 +53,11 @@ PARAMETER_SHAPES = (
 )
 PLAN_SCHEDULES = ("1f1b", "interleaved", "zb1p", "dualpipe")
 MICRO_BATCH_SIZES = tuple(range(1, 9))
+# Sequences this long get context parallelism searched: Llama 3 trained its 8K-token phase at cp 1 and
+# its 128K phase at cp 16 (Dubey et al. 2024, §3.3.2, Table 4); shorter sequences keep the search
+# (and its cost) as without cp unless `max_cp` asks for it.
+LONG_SEQUENCE = 16384
+CONTEXT_PARALLEL_CHECKPOINTS = ("none", "full")  # with cp > 1 selective is none: blockwise attention keeps no scores
 
 
 def shape_for(params: int, seq_len: int = 2048, vocab_size: int = 51200) -> tuple[str, int, int, int]:
@@ -88,39 +96,63 @@ def _divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-def candidates_estimate(base: Run, gpus: int, cluster: Cluster) -> int:
+def _cps(base: Run, gpus: int, tp: int, max_cp: int | None) -> list[tuple[int, str]]:
+    """(cp, implementation) pairs to search at this tp: cp 1, and for long sequences (or up to max_cp) every
+    divisor C of gpus / tp that cuts the sequence into 2C chunks, ring always, Ulysses where tp · C divides
+    the heads. Experts are not combined with cp."""
+    limit = max_cp if max_cp is not None else (gpus if base.seq_len >= LONG_SEQUENCE else 1)
+    if base.experts or limit <= 1 or gpus // tp > DIVISOR_SEARCH_LIMIT:
+        return [(1, "ring")]
+    pairs = [(1, "ring")]
+    for C in _divisors(gpus // tp)[1:]:
+        if C > limit or base.seq_len % (2 * C):
+            continue
+        pairs.append((C, "ring"))
+        if base.n_head % (tp * C) == 0:
+            pairs.append((C, "ulysses"))
+    return pairs
+
+
+def candidates_estimate(base: Run, gpus: int, cluster: Cluster, max_cp: int | None = None) -> int:
     """An upper bound on the candidates the search makes (`candidates`), before making any: the pipeline
-    degrees (the common divisors of the layers and gpus / tp) times every other choice."""
+    degrees (the common divisors of the layers and gpus / tp) times the cp choices times every other choice."""
     others = len(MICRO_BATCH_SIZES) * len(PLAN_SCHEDULES) * 2 * 4 * len(CHECKPOINTS)
     total = 0
     for tp in _tps(base, gpus, cluster):
-        g = math.gcd(base.n_layer, gpus // tp)
-        total += len(_divisors(g)) if g <= DIVISOR_SEARCH_LIMIT else 2 * math.isqrt(g)
+        for cp, _ in _cps(base, gpus, tp, max_cp):
+            g = math.gcd(base.n_layer, gpus // (tp * cp))
+            total += len(_divisors(g)) if g <= DIVISOR_SEARCH_LIMIT else 2 * math.isqrt(g)
     return total * others
 
 
-def candidates(base: Run, gpus: int, cluster: Cluster):
+def candidates(base: Run, gpus: int, cluster: Cluster, max_cp: int | None = None):
     """Every Run of the search space for `base`'s model on `gpus` GPUs (module docstring)."""
-    L, B = base.n_layer, base.batch_size
     for tp in _tps(base, gpus, cluster):
-        for pp in _divisors(math.gcd(L, gpus // tp)):  # pp divides the layers, and tp · pp the GPUs
-            dp = gpus // (tp * pp)
-            schedules = ([("1f1b", None)] if pp == 1
-                         else [(s, 2 if s == "interleaved" else None) for s in PLAN_SCHEDULES])
-            for mbs in MICRO_BATCH_SIZES:
-                if B % (dp * mbs):
+        for cp, cp_impl in _cps(base, gpus, tp, max_cp):
+            yield from _candidates_at(replace(base, cp=cp, cp_impl=cp_impl), gpus, tp)
+
+
+def _candidates_at(base: Run, gpus: int, tp: int):
+    """The candidates at one tp and one cp (base.cp, base.cp_impl)."""
+    L, B, cp = base.n_layer, base.batch_size, base.cp
+    for pp in _divisors(math.gcd(L, gpus // (tp * cp))):  # pp divides the layers, and tp · cp · pp the GPUs
+        dp = gpus // (tp * cp * pp)
+        schedules = ([("1f1b", None)] if pp == 1
+                     else [(s, 2 if s == "interleaved" else None) for s in PLAN_SCHEDULES])
+        for mbs in MICRO_BATCH_SIZES:
+            if B % (dp * mbs):
+                continue
+            m = B // (dp * mbs)
+            for schedule, chunks in schedules:
+                if not _schedule_allows(schedule, pp, m, L, chunks):
                     continue
-                m = B // (dp * mbs)
-                for schedule, chunks in schedules:
-                    if not _schedule_allows(schedule, pp, m, L, chunks):
-                        continue
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        for zero in range(4):
-                            if zero and dp == 1:
-                                continue  # nothing to shard over
-                            for checkpoint in CHECKPOINTS:
-                                yield replace(base, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, schedule=schedule,
-                                              chunks=chunks, sequence_parallel=sp, zero=zero, checkpoint=checkpoint)
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for zero in range(4):
+                        if zero and dp * cp == 1:
+                            continue  # nothing to shard over (parameters are replicated over dp · cp)
+                        for checkpoint in CHECKPOINTS if cp == 1 else CONTEXT_PARALLEL_CHECKPOINTS:
+                            yield replace(base, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, schedule=schedule,
+                                          chunks=chunks, sequence_parallel=sp, zero=zero, checkpoint=checkpoint)
 
 
 def _schedule_allows(schedule: str, pp: int, m: int, L: int, chunks) -> bool:
@@ -134,11 +166,12 @@ def _schedule_allows(schedule: str, pp: int, m: int, L: int, chunks) -> bool:
     return True
 
 
-def plan(base: Run, gpus: int, cluster: Cluster, top: int = 5, refine: int = 20) -> Plan:
-    """Search (module docstring); `base` gives the model, the batch and the precision."""
+def plan(base: Run, gpus: int, cluster: Cluster, top: int = 5, refine: int = 20, max_cp: int | None = None) -> Plan:
+    """Search (module docstring); `base` gives the model, the batch and the precision; max_cp caps the
+    context-parallel degrees searched (None: every one for long sequences, none for short ones)."""
     estimates, searched, least = [], 0, None
     points = []
-    for run in candidates(base, gpus, cluster):
+    for run in candidates(base, gpus, cluster, max_cp):
         searched += 1
         estimate = predict(run, cluster, simulate=False, check=False)
         points.append((estimate.memory_per_gpu_bytes, estimate.step_seconds, estimate.fits))

@@ -22,6 +22,10 @@ Sources (arXiv ids; table and row):
   Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", arXiv
       2201.11990, §2.4 (as quoted by llm-analysis's README): 2240 A100s, tp 8, pp 35, dp 8, batch
       1920: 60.1 s per iteration (126 TFLOP/s per GPU).
+
+No row has context parallelism: no published long-context run found states enough for this model
+(a GPT block, 16-bit rates, a stated micro-batch, recomputation and iteration time); the sources
+looked at and what each lacks are in docs/cluster_model.md §7.
 """
 
 from __future__ import annotations

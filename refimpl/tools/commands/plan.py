@@ -3,6 +3,7 @@
     python -m refimpl plan --params 70B --gpus 1024 --cluster h100-80gb
     python -m refimpl plan --n-layer 96 --d-model 12288 --n-head 96 --gpus 1024 --batch-size 1536
     python -m refimpl plan --params 1T --gpus 4096 --cluster h100-80gb --json --plot search.png
+    python -m refimpl plan --params 7B --gpus 64 --seq-len 131072 --batch-size 16      # searches cp too
 
 The search and its space are refimpl/tools/cluster/plan.py's; every number is the cost model's
 (refimpl/tools/cluster/model.py). --params picks the nearest published GPT shape (plan.PARAMETER_SHAPES).
@@ -16,7 +17,7 @@ import time
 from refimpl.memory import format_bytes, parse_count
 from refimpl.tools.cluster import hardware
 from refimpl.tools.cluster.model import Run
-from refimpl.tools.cluster.plan import candidates_estimate, plan, shape_for, why_slower
+from refimpl.tools.cluster.plan import LONG_SEQUENCE, candidates_estimate, plan, shape_for, why_slower
 from refimpl.tools.console import emit_json, log
 from refimpl.tools.flags import (
     add_max_work_argument,
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="configurations to show (default 5)")
     p.add_argument("--refine", type=positive_int, default=20,
                    help="best candidates (by the closed forms) to predict with the schedule simulator (default 20)")
+    p.add_argument("--max-cp", type=positive_int, metavar="C",
+                   help=f"search context-parallel degrees up to C (default: all for sequences of {LONG_SEQUENCE} "
+                        f"tokens or more, none below; 1: none)")
     p.add_argument("--plot", metavar="FILE", help="draw the search, memory against step time (matplotlib: .png, .svg)")
     add_max_work_argument(p, MAX_CANDIDATES, "candidate configurations (an upper bound, counted before the search)")
 
@@ -66,17 +70,18 @@ def run(args) -> int:
     base, shape = base_run(args)
     if args.plot:
         check_writable(args.plot, "--plot")
-    check_work(candidates_estimate(base, args.gpus, cluster), args.max_work, "candidate configurations",
+    check_work(candidates_estimate(base, args.gpus, cluster, args.max_cp), args.max_work, "candidate configurations",
                f"the search of L={base.n_layer} a={base.n_head} on {args.gpus} GPUs")
     started = time.perf_counter()
-    result = plan(base, args.gpus, cluster, top=args.top, refine=args.refine)
+    result = plan(base, args.gpus, cluster, top=args.top, refine=args.refine, max_cp=args.max_cp)
     seconds = time.perf_counter() - started
     if not result.best:
         least = result.not_fitting_least
+        described = describe_run(least.run)
         raise ValueError(f"the model fits nowhere on {args.gpus} GPUs of {cluster.name}: the smallest of "
                          f"{result.searched} configurations needs {format_bytes(least.memory_per_gpu_bytes)} per GPU, "
                          f"{format_bytes(least.memory_per_gpu_bytes - cluster.memory_bytes)} over the "
-                         f"{format_bytes(cluster.memory_bytes)} there is ({describe_run(least.run)}); add GPUs")
+                         f"{format_bytes(cluster.memory_bytes)} there is ({described}); add GPUs")
     if args.plot:
         draw(result, cluster, args.plot)
     if args.json:
@@ -91,12 +96,13 @@ def run(args) -> int:
     print(f"searched {result.searched} configurations: {result.fitting} fit in "
           f"{format_bytes(cluster.memory_bytes)}; the best {len(result.best)} by simulated step time:")
     print()
-    header = f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ZeRO':>4} {'recompute':<9} {'schedule':<11} {'mbs':>3} " \
-             f"{'SP':>3} {'memory':>9} {'step s':>8} {'MFU':>6}"
+    header = f"{'#':>2} {'dp':>4} {'tp':>3} {'cp':>10} {'pp':>3} {'ZeRO':>4} {'recompute':<9} {'schedule':<11} " \
+             f"{'mbs':>3} {'SP':>3} {'memory':>9} {'step s':>8} {'MFU':>6}"
     print(header)
     for i, p in enumerate(result.best, 1):
         r = p.run
-        print(f"{i:>2} {r.dp:>4} {r.tp:>3} {r.pp:>3} {r.zero:>4} {r.checkpoint:<9} "
+        cp = f"{r.cp} {r.cp_impl}" if r.cp > 1 else "1"
+        print(f"{i:>2} {r.dp:>4} {r.tp:>3} {cp:>10} {r.pp:>3} {r.zero:>4} {r.checkpoint:<9} "
               f"{(r.schedule if r.pp > 1 else '-'):<11} {r.micro_batch_size:>3} "
               f"{('yes' if r.sequence_parallel else '-'):>3} "
               f"{format_bytes(p.memory_per_gpu_bytes):>9} {p.step_seconds:8.3f} {100 * p.mfu:5.1f}%")
@@ -111,7 +117,8 @@ def run(args) -> int:
 
 def _row(p) -> dict:
     r = p.run
-    return {"dp": r.dp, "tp": r.tp, "pp": r.pp, "zero": r.zero, "checkpoint": r.checkpoint,
+    return {"dp": r.dp, "tp": r.tp, "cp": r.cp, "cp_impl": r.cp_impl, "pp": r.pp, "zero": r.zero,
+            "checkpoint": r.checkpoint,
             "schedule": r.schedule if r.pp > 1 else None, "chunks": r.chunks, "micro_batch_size": r.micro_batch_size,
             "sequence_parallel": r.sequence_parallel, "memory_per_gpu_bytes": p.memory_per_gpu_bytes,
             "step_seconds": p.step_seconds, "tokens_per_second": p.tokens_per_second, "mfu": p.mfu,
@@ -126,6 +133,8 @@ def _flags(r: Run) -> str:
         flags += f" --schedule {r.schedule}" + (f" --chunks {r.chunks}" if r.chunks else "")
     if r.sequence_parallel:
         flags += " --sequence-parallel"
+    if r.cp > 1:
+        flags += f" --cp {r.cp} --cp-impl {r.cp_impl}"
     if r.tie_weights:
         flags += " --tie-weights"
     if r.dropout:
