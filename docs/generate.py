@@ -97,6 +97,7 @@ DELEGATED = {"pipeline_schedules.md": ROOT / "benchmarks" / "pipeline_schedule_d
 # docs/images/NAME.svg <- python -m refimpl schedule ARGS --render svg --out docs/images/NAME.svg,
 # or, where the value is a script's path, that script's svg(NAME)
 TENSOR_PARALLEL_PICTURES = ROOT / "benchmarks" / "tensor_parallel_pictures.py"
+CONTEXT_PARALLEL_PICTURES = ROOT / "benchmarks" / "context_parallel_pictures.py"
 PICTURES = {
     "1f1b": "1f1b --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
     "zb1p": "zb1p --pp 4 --micro-batches 8 --costs F=1,I=1,W=1",
@@ -105,6 +106,8 @@ PICTURES = {
     "tensor_parallel_block": TENSOR_PARALLEL_PICTURES,
     "sequence_parallel_block": TENSOR_PARALLEL_PICTURES,
     "overlap_fb": ROOT / "benchmarks" / "overlap_pictures.py",
+    "context_parallel_ring": CONTEXT_PARALLEL_PICTURES,
+    "context_parallel_work": CONTEXT_PARALLEL_PICTURES,
 }
 
 # ------------------------------------------------------------------------------------------------

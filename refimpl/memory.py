@@ -290,7 +290,7 @@ def expert_blocks(blocks: int, experts: int, moe_every: int) -> int:
 def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1, tied: bool = False,
                           experts: int = 0, moe_every: int = 1, ep: int = 1, embedding: bool = True,
                           head: bool = True, arch: str = "gpt2", kv_width: int | None = None,
-                          ffn: int | None = None) -> list[tuple[int, int, str]]:
+                          ffn: int | None = None, kv_heads: int | None = None) -> list[tuple[int, int, str]]:
     """refimpl's GPT (nn/models.py) as one rank holds it, tensor by tensor: (elements, how many, kind).
 
     Vocabulary V, positions s, width h, `blocks` blocks; a pipeline stage passes its own blocks and
@@ -302,7 +302,8 @@ def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1
     only on a stage without the embedding. t divides h (it divides the heads), so every split is exact.
     """
     if arch == "llama":
-        return llama_parameter_tensors(vocab, h, blocks, kv_width or h, ffn or 4 * h, tied, embedding, head, tp)
+        return llama_parameter_tensors(vocab, h, blocks, kv_width or h, ffn or 4 * h, tied, embedding, head, tp,
+                                       experts, moe_every, ep, kv_heads)
     t, V = tp, -(-vocab // tp) * tp
     moe = expert_blocks(blocks, experts, moe_every)
     dense, mine = blocks - moe, moe * (experts // ep)  # blocks with the dense MLP; this rank's expert MLPs
@@ -322,7 +323,8 @@ def gpt_parameter_tensors(vocab: int, seq: int, h: int, blocks: int, tp: int = 1
 
 
 def llama_parameter_tensors(vocab: int, h: int, blocks: int, kv_width: int, ffn: int, tied: bool = False,
-                            embedding: bool = True, head: bool = True, tp: int = 1) -> list[tuple[int, int, str]]:
+                            embedding: bool = True, head: bool = True, tp: int = 1, experts: int = 0,
+                            moe_every: int = 1, ep: int = 1, kv_heads: int | None = None) -> list[tuple[int, int, str]]:
     """The GPT with --arch llama (nn/layers.py's LlamaBlock) as one rank holds it, tensor by tensor, as
     gpt_parameter_tensors: width h, key/value width kv_width = kv_heads·h/n_head, SwiGLU width F.
     No biases and no position table; per block 2h² + 2h·kv_width + 3h·F + 2h (wq, wo; wk, wv;
@@ -330,14 +332,25 @@ def llama_parameter_tensors(vocab: int, h: int, blocks: int, kv_width: int, ffn:
     Over t tensor-parallel ranks (tensor_parallel/gpt.py) every matrix is "split": wq, wk, wv, w1, w3
     by rows, wo, w2 by columns, wte and lm_head by vocabulary rows of V' = V rounded up to a multiple
     of t; the RMSNorm gains are "whole". t divides the heads, the key/value heads and F (refused
-    otherwise), so every split is exact."""
+    otherwise), so every split is exact.
+
+    With E experts (Mixtral's layer: nn/experts.py with SwiGLU experts) the blocks that have them
+    (expert_blocks) hold, instead of the SwiGLU MLP, the router (E, h) "whole" and this rank's E/ep
+    SwiGLU experts, 3h·F each without biases, "experts" (experts are not split over tp: refused).
+
+    kv_heads (None: at least t): with fewer key/value heads than ranks each rank holds one whole
+    key/value head, h·kv_width/kv_heads elements of wk and of wv, replicated on t/kv_heads ranks."""
     t, V = tp, -(-vocab // tp) * tp
+    moe = expert_blocks(blocks, experts, moe_every)
+    dense, mine = blocks - moe, moe * (experts // ep)  # blocks with the dense SwiGLU; this rank's experts
     return [
         (V * h // t, int(embedding), "split"),  # wte (V', h)
         (h, 2 * blocks, "whole"),  # the two RMSNorm gains of each block
         (h * h // t, 2 * blocks, "split"),  # wq (rows), wo (columns)
-        (h * kv_width // t, 2 * blocks, "split"),  # wk, wv (rows)
-        (h * ffn // t, 3 * blocks, "split"),  # w1 (gate), w3 (up) by rows, w2 (down) by columns
+        (h * kv_width // min(t, kv_heads or t), 2 * blocks, "split"),  # wk, wv (rows; or one replicated head)
+        (h * ffn // t, 3 * dense, "split"),  # w1 (gate), w3 (up) by rows, w2 (down) by columns
+        (experts * h, moe, "whole"),  # the router (E, h)
+        (h * ffn, 3 * mine, "experts"),  # each expert's w1, w3 (F, h) and w2 (h, F)
         (h, int(head), "whole"),  # ln_f (RMSNorm)
         (V * h // t, int(head and not (tied and embedding)), "split"),  # lm_head (V', h)
     ]
@@ -435,17 +448,20 @@ def paper_table(psi, worlds, precision: str = "mixed") -> list[dict]:
 RECOMPUTE = ("none", "selective", "full")
 
 
-def expert_elements_per_token(h: int, experts: int, top_k: int) -> int:
-    """What a mixture-of-experts block adds per token: K tokens' worth of the MLP's activations (10h)
-    and of the dispatch and combine copies (4h), and the router's logits and probabilities (2E).
-    An upper bound, not the ledger's count: the dense MLP that the experts replace stays counted."""
-    return top_k * 14 * h + 2 * experts
+def expert_elements_per_token(h: int, experts: int, top_k: int, ffn: int | None = None) -> int:
+    """What a mixture-of-experts block adds per token: K tokens' worth of the MLP's activations (10h
+    for GeLU experts of width 4h; 3F + 2h for SwiGLU experts of width F = ffn: gate, up, their
+    product, the gathered input and the output) and of the dispatch and combine copies (4h), and the
+    router's logits and probabilities (2E). An upper bound, not the ledger's count: the dense MLP
+    that the experts replace stays counted."""
+    mlp = 10 * h if ffn is None else 3 * ffn + 2 * h
+    return top_k * (mlp + 4 * h) + 2 * experts
 
 
 def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
                              dropout: bool = False, recompute: str = "none", partitioned: bool = False,
                              experts: int = 0, top_k: int = 0, arch: str = "gpt2", kv_width: int | None = None,
-                             ffn: int | None = None) -> dict:
+                             ffn: int | None = None, kv_heads: int | None = None) -> dict:
     """Elements one rank saves in one block's forward, by how they scale; sum them for the total:
     (16 + 2[p])·N·h + 2N + (1 + 2[p])·b·a·s² on one process (Korthikanti et al. 2022, §4.1, counted
     as refimpl saves: the module docstring's table), N = b·s tokens.
@@ -463,6 +479,9 @@ def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequen
     Over t tensor-parallel ranks (tensor_parallel/gpt.py) the terms divide as GPT-2's do, except
     under sequence parallelism: the two projection groups (wq, wk, wv; w1, w3) keep the whole
     gathered input, 2·N·h on every rank ("whole"), where GPT-2's GatherThenLinear keeps its 1/t shard.
+    With fewer key/value heads than ranks (kv_heads < t, kv_heads dividing t) every rank keeps the
+    keys and values of its one replicated head, 2·N·kv_width/kv_heads, counted as t/kv_heads times
+    the whole model's 2·N·kv_width in "split".
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
@@ -472,24 +491,26 @@ def saved_elements_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequen
     whole = (4 + 2 * p) * N * h + 2 * N  # layer norms, qkv/fc inputs, masks
     split = 12 * N * h  # q, k, v, proj input, GeLU input and output
     if arch == "llama":  # q and wo's input, k and v (kv_width each), SwiGLU's gate, up and w2's input (F each)
-        split = 2 * N * h + 2 * N * (kv_width or h) + 3 * N * (ffn or 4 * h)
+        replicas = max(1, tp // kv_heads) if kv_heads else 1  # ranks that keep the same key/value head
+        split = 2 * N * h + 2 * N * (kv_width or h) * replicas + 3 * N * (ffn or 4 * h)
     attention = 0 if recompute == "selective" else (1 + 2 * p) * b * a * s * s
     out = {"whole": 0, "split": (whole + split) // tp} if sequence_parallel else {"whole": whole, "split": split // tp}
     if arch == "llama" and sequence_parallel and tp > 1:  # the gathered projection inputs, whole
         out = {"whole": 2 * N * h, "split": (whole - 2 * N * h + split) // tp}
     out["attention"] = attention // tp
     if experts:
-        out["experts"] = N * expert_elements_per_token(h, experts, top_k)
+        out["experts"] = N * expert_elements_per_token(h, experts, top_k, (ffn or 4 * h) if arch == "llama" else None)
     return out
 
 
 def saved_bytes_per_block(b: int, s: int, h: int, a: int, tp: int = 1, sequence_parallel: bool = False,
                           dropout: bool = False, recompute: str = "none", partitioned: bool = False,
                           itemsize: int = 8, arch: str = "gpt2", kv_width: int | None = None,
-                          ffn: int | None = None) -> int:
+                          ffn: int | None = None, kv_heads: int | None = None) -> int:
     """saved_elements_per_block's total, at `itemsize` bytes per element."""
     return itemsize * sum(saved_elements_per_block(b, s, h, a, tp, sequence_parallel, dropout, recompute,
-                                                   partitioned, arch=arch, kv_width=kv_width, ffn=ffn).values())
+                                                   partitioned, arch=arch, kv_width=kv_width, ffn=ffn,
+                                                   kv_heads=kv_heads).values())
 
 
 def saved_elements_outside_blocks(b: int, s: int, h: int, vocab: int, dropout: bool = False, tp: int = 1) -> dict:

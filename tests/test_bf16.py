@@ -137,11 +137,11 @@ def test_without_ml_dtypes_bfloat16_says_how_to_install_it():
     assert done.stderr.rstrip().endswith("pip install ml_dtypes")
 
 
-@pytest.mark.parametrize("flags,flag", [(["--tp", "2"], "--tp"), (["--pp", "2"], "--pp"),
-                                        (["--experts", "2", "--ep", "2"], "--ep")])
-def test_model_parallel_layers_refuse_bfloat16_in_one_line(flags, flag):
-    with pytest.raises(ValueError, match=f"^--dtype bf16 does not yet run with {flag};"):
-        config_from_flags([*SMALL, *flags])
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"], ["--experts", "2", "--ep", "2"],
+                                   ["--tp", "2", "--pp", "2", "--sequence-parallel"]])
+def test_model_parallel_layers_accept_bfloat16(flags):
+    """What they compute under bf16: tests/test_bf16_parallel.py."""
+    assert config_from_flags([*SMALL, *flags]).dtype == "bf16"
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -194,7 +194,6 @@ def run_cli(*args):
     (["--d-model", "12", "--n-head", "4"], "error: the head width d_model/n_head = 3 is odd"),
     (["--ffn-size", "0"], "error: --ffn-size must be positive"),
     (["--ffn-size", "-4"], "error: --ffn-size must be positive"),
-    (["--experts", "2"], "error: --arch llama does not yet run with --experts;"),
 ])
 def test_bad_llama_flags_are_one_line(flags, message, capsys):
     assert cli.main(["train", "--arch", "llama", "--steps", "1", *flags]) == 2

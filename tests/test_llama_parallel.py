@@ -86,14 +86,12 @@ def test_llama_pipelines_and_tensor_parallelism_on_four_ranks_equal_one_process(
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--kv-heads", "1", "--tp", "2"], "error: --tp 2 is more than --kv-heads 1: each tensor-parallel rank holds"),
-    (["--n-head", "8", "--d-model", "32", "--kv-heads", "2", "--tp", "4"], "error: --tp 4 is more than --kv-heads 2"),
+    (["--n-head", "12", "--d-model", "48", "--kv-heads", "3", "--tp", "4"],
+     "error: --tp 4 is more than --kv-heads 3 and not a multiple of it"),
     (["--n-head", "12", "--d-model", "48", "--kv-heads", "6", "--tp", "4"],
      "error: --tp 4 does not divide --kv-heads 6"),
-    (["--experts", "2"], "error: --arch llama does not yet run with --experts;"),
-    (["--experts", "2", "--ep", "2"], "error: --arch llama does not yet run with --experts;"),
-    (["--pp", "2", "--dtype", "bf16"], "error: --dtype bf16 does not yet run with --pp;"),
-    (["--tp", "2", "--dtype", "bf16"], "error: --dtype bf16 does not yet run with --tp;"),
+    (["--kv-heads", "1", "--tp", "2", "--cp", "2"], "error: --cp 2 with --tp 2 larger than --kv-heads 1"),
+    (["--experts", "2", "--tp", "2"], "error: --experts with --tp is not supported yet"),
 ])
 def test_what_does_not_run_with_llama_is_refused_in_one_line(flags, message, capsys):
     assert cli.main(["train", "--arch", "llama", "--steps", "1", *flags]) == 2
@@ -192,9 +190,9 @@ def test_the_tensor_parallel_command_measures_llamas_formulas(world, kv, ffn):
 # --- the drawn configurations (verify --sweep, tests/test_verify_drawn.py) ------------------------
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_sweep_draws_valid_llama_configurations_through_every_parallelism(world):
-    """draw_flags gives Llama's block to about half the GPTs without experts: every one passes the
-    command line's checks, and across draws they meet tp (with sequence parallelism), pipelines,
-    tp x pp, every ZeRO stage and multi-query, grouped and multi-head attention."""
+    """draw_flags gives Llama's block to about half the GPTs: every one passes the command line's
+    checks, and across draws they meet tp (with sequence parallelism), pipelines, tp x pp, every ZeRO
+    stage and multi-query, grouped and multi-head attention (with experts: tests/test_llama_experts.py)."""
     rng = np.random.default_rng(world)
     seen = set()
     for _ in range(600):
@@ -203,7 +201,8 @@ def test_the_sweep_draws_valid_llama_configurations_through_every_parallelism(wo
         cfg.check()
         if cfg.arch != "llama":
             continue
-        assert cfg.experts == 0 and cfg.n_head % cfg.kv_heads == 0 and cfg.kv_heads % cfg.tp == 0
+        assert cfg.n_head % cfg.kv_heads == 0 and (cfg.experts == 0 or cfg.tp == 1)
+        assert cfg.kv_heads % cfg.tp == 0 or (cfg.tp % cfg.kv_heads == 0 and cfg.cp == 1)
         assert cfg.ffn_size % cfg.tp == 0
         seen |= {("tp", cfg.tp), ("sp", cfg.sequence_parallel), ("pp", cfg.pp > 1), ("zero", cfg.zero),
                  ("kv", "multi-query" if cfg.kv_heads == 1 else "multi-head" if cfg.kv_heads == cfg.n_head else "gqa")}

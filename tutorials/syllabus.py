@@ -48,7 +48,7 @@ QUESTION_MINUTES = 15
 # Measured once on a 2-core machine (2026-12-03) with the reference solutions: every tutorial ran
 # in 0.2 to 12 s (09 and 12, which launch mpiexec, the longest); rounded up to whole minutes.
 RUN_MINUTES = {"01": 1, "02": 1, "03": 1, "04": 1, "05": 1, "06": 1, "07": 1, "08": 1, "09": 1, "10": 1, "11": 1,
-               "12": 1, "13": 1, "14": 1}
+               "12": 1, "13": 1, "14": 1, "15": 1}
 
 # number -> (objectives, prerequisites, papers and sections)
 SYLLABUS = {
@@ -95,6 +95,11 @@ SYLLABUS = {
            "compare the ring with Ulysses", "02, 03, 10",
            "Liu et al. 2023 (ring attention); Jacobs et al. 2023 (DeepSpeed-Ulysses); Dao et al. 2022 "
            "(FlashAttention), §3.1"),
+    "15": ("the Llama block: write rotary position embeddings and derive why scores depend only on the "
+           "offset n − m; derive the key/value bytes grouped-query attention saves and measure what it does not "
+           "save; count a Llama block's parameters (RMSNorm, SwiGLU)", "01, 02",
+           "Su et al. 2021 (RoFormer), §3.2; Ainslie et al. 2023 (GQA), §2.2; Shazeer 2020 (GLU variants), §2; "
+           "Zhang and Sennrich 2019 (RMSNorm)"),
 }
 
 

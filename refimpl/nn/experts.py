@@ -1,5 +1,9 @@
 """A mixture-of-experts feed-forward layer: a router, E expert MLPs, a load-balancing loss.
 
+The experts are GPT-2's MLP (expert="gelu": [C, H, C] with biases and GeLU) or Llama's SwiGLU
+(expert="swiglu": W₂(silu(W₁x) ⊙ W₃x), widths C -> H -> C, no biases), as Mixtral's experts are
+(Jiang et al., arXiv 2401.04088, §2.1); the router, the gates and the dispatch are the same.
+
 For each token x (C,) of a (B, T, C) input, with E experts and K of them chosen per token:
 
     p       = softmax(x W_rᵀ)                      (E,)   router probabilities, W_r (E, C)
@@ -42,7 +46,7 @@ the inverse permutation, weighted by the gates and summed over the K choices. Ex
 gather and the experts, and back before the inverse permutation.
 
 Legend: B batch, T sequence, C width, E experts, K chosen per token, N = B·T tokens, H expert
-hidden width.
+hidden width (GeLU experts: 4C unless given; SwiGLU experts: --ffn-size).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from refimpl.autograd.tensor import Tensor
 
 from . import batch_rows
 from . import functional as F
-from .layers import MLP, Linear
+from .layers import MLP, Linear, SwiGLU
 from .module import Module, ModuleList
 
 
@@ -94,23 +98,27 @@ def keep_within_capacity(chosen, T: int, n_experts: int, capacity: int):
     return (np.take_along_axis(rank_in_expert, by_sequence[..., None], 2)[..., 0] < capacity).reshape(N, K)
 
 
+EXPERT_KINDS = ("gelu", "swiglu")  # GPT-2's MLP, Llama's SwiGLU (Mixtral's experts)
+
+
 class MoE(Module):
-    """E expert MLPs [C, H, C] behind a top-K router; see the module docstring."""
+    """E expert MLPs [C, H, C] (GeLU, or SwiGLU) behind a top-K router; see the module docstring."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, rng: np.random.Generator, hidden: int | None = None,
                  capacity_factor: float | None = None, aux_coef: float = 0.01, last_std: float | None = None,
-                 dtype="float64") -> None:
+                 dtype="float64", expert: str = "gelu") -> None:
         super().__init__()
         if n_experts < 1 or not 1 <= top_k <= n_experts:
             raise ValueError(f"a mixture of experts needs 1 <= top-k <= experts, got --top-k {top_k} of "
                              f"--experts {n_experts}")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"--capacity-factor must be positive, got {capacity_factor}")
+        if expert not in EXPERT_KINDS:
+            raise ValueError(f"unknown expert MLP {expert!r}; choose one of {', '.join(EXPERT_KINDS)}")
         self.n_experts, self.top_k, self.capacity_factor, self.aux_coef = n_experts, top_k, capacity_factor, aux_coef
         hidden = 4 * d_model if hidden is None else hidden
         self.router = Linear(d_model, n_experts, rng, bias=False, std=0.02, dtype=dtype)
-        self.experts = ModuleList(MLP([d_model, hidden, d_model], rng, "gelu", std=0.02, last_std=last_std,
-                                      dtype=dtype) for _ in range(n_experts))
+        self.experts = ModuleList(_expert(expert, d_model, hidden, rng, last_std, dtype) for _ in range(n_experts))
         # How the expert groups run: None, here; or a callable (moe, x_sorted, counts) -> y_sorted,
         # which expert parallelism installs (refimpl/parallel/experts.py).
         self.experts_runner = None
@@ -184,6 +192,14 @@ class MoE(Module):
                 "dropped": sum(d for _, d, _ in values), "aux_loss": sum(a for _, _, a in values)}
 
 
+def _expert(kind: str, d_model: int, hidden: int, rng: np.random.Generator, last_std: float | None, dtype):
+    """One expert, its weights drawn from rng: GPT-2's MLP [C, H, C] (fc weight, bias, then proj's),
+    or SwiGLU (w1, w3, w2), the down projection initialised with last_std (else 0.02)."""
+    if kind == "swiglu":
+        return SwiGLU(d_model, hidden, rng, std=0.02, last_std=0.02 if last_std is None else last_std, dtype=dtype)
+    return MLP([d_model, hidden, d_model], rng, "gelu", std=0.02, last_std=last_std, dtype=dtype)
+
+
 def take_load(model) -> dict:
     """{MoE module name: take_stats()} of every mixture-of-experts layer in `model` (resets them)."""
     return {name: module.take_stats() for name, module in model.named_modules() if isinstance(module, MoE)}
@@ -208,4 +224,5 @@ def describe_load(total: dict, steps: int) -> dict:
             for name, s in sorted(total.items())}
 
 
-__all__ = ["MoE", "AddAuxiliaryLoss", "route", "keep_within_capacity", "take_load", "add_load", "describe_load"]
+__all__ = ["MoE", "EXPERT_KINDS", "AddAuxiliaryLoss", "route", "keep_within_capacity", "take_load", "add_load",
+           "describe_load"]

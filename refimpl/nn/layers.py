@@ -87,7 +87,8 @@ class Dropout(Module):
     `shard` = (axis, index, count): this process holds block `index` of `count` equal blocks of
     the input along `axis` (tensor parallelism: attention heads; sequence parallelism: the
     sequence). The mask is drawn for the whole axis and sliced the same way, so it equals one
-    process's mask.
+    process's mask. A tuple of such triples cuts several axes at once (tensor parallelism with
+    replicated key/value heads: this rank's key/value head, then its block of that head's queries).
     """
 
     def __init__(self, p: float, seed: int = 0) -> None:
@@ -96,7 +97,7 @@ class Dropout(Module):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.seed = p, seed
         self.generator = _generator(seed)
-        self.shard: tuple[int, int, int] | None = None
+        self.shard: tuple | None = None  # (axis, index, count), or a tuple of them
 
     def forward(self, x: Tensor) -> Tensor:
         rows = batch_rows.current()
@@ -110,24 +111,25 @@ class Dropout(Module):
 
 class _RowsOfGlobalMask:
     """A stand-in generator whose random((rows, ...)) returns rows start:stop of the global batch's
-    draw (and, with a shard (axis, index, count), block index of count along axis)."""
+    draw (and, with a shard (axis, index, count), block index of count along axis; with a tuple of
+    shards, each axis cut so)."""
 
     def __init__(self, seed: int, rows, shard=None) -> None:
-        self.seed, self.rows, self.shard = seed, rows, shard
+        self.seed, self.rows = seed, rows
+        self.shards = [] if shard is None else [shard] if isinstance(shard[0], int) else list(shard)
 
     def random(self, shape):
         r = self.rows
         if shape[0] != r.stop - r.start:
             raise ValueError(f"dropout: input has {shape[0]} rows but the batch context says {r.stop - r.start}")
         whole = [r.global_size] + list(shape[1:])
-        if self.shard is not None:
-            axis, index, count = self.shard
+        for axis, index, count in self.shards:
             whole[axis] *= count
         full = _generator([self.seed, r.batch_id]).random(tuple(whole))[r.start:r.stop]
-        if self.shard is None:
-            return full
-        n = shape[axis]
-        return full[(slice(None),) * axis + (slice(index * n, (index + 1) * n),)]
+        for axis, index, count in self.shards:
+            n = shape[axis]
+            full = full[(slice(None),) * axis + (slice(index * n, (index + 1) * n),)]
+        return full
 
 
 def _generator(seed):

@@ -9,7 +9,8 @@ GPT forward, for token ids idx of shape (B, T):
 arch "llama" (Touvron et al. 2023, arXiv 2302.13971) changes the block and the positions, not the
 shape of the model: no wpe (positions enter as rotary embeddings of every block's queries and
 keys), LlamaBlock (RMSNorm, grouped-query attention with kv_heads key/value heads, the SwiGLU MLP
-of width ffn_size) and an RMSNorm for ln_f; nn/layers.py. Embedding, head and the cuts between
+of width ffn_size; with experts, a mixture of SwiGLU experts of that width, as Mixtral's) and an
+RMSNorm for ln_f; nn/layers.py. Embedding, head and the cuts between
 blocks are the same, so data parallelism and ZeRO run it unchanged.
 
 The three parts are separate methods so that pipeline stages and checkpointing can cut the model
@@ -120,6 +121,9 @@ class GPT(Module):
     def _mixture_of_experts(self, rng: np.random.Generator, last_std: float) -> MoE:
         """A block's mixture of experts in place of its dense MLP (Block's make_mlp)."""
         c = self.config
+        if c.arch == "llama":  # Mixtral: SwiGLU experts of the block's --ffn-size
+            return MoE(c.d_model, c.n_experts, c.top_k, rng, hidden=c.ffn_width, capacity_factor=c.capacity_factor,
+                       aux_coef=c.aux_coef, last_std=last_std, dtype=c.dtype, expert="swiglu")
         return MoE(c.d_model, c.n_experts, c.top_k, rng, capacity_factor=c.capacity_factor, aux_coef=c.aux_coef,
                    last_std=last_std, dtype=c.dtype)
 

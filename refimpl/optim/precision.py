@@ -42,8 +42,10 @@ even). The recipe, as refimpl runs it:
 Each step updates the float32 master weights and copies them, rounded, into the bfloat16
 parameters. Without the master weights an update smaller than half a bfloat16 spacing of the
 weight (|Δw| < u·|w|) would be lost: with a small learning rate bfloat16-only weights stop moving.
-One process (local_trainer.py) and data parallelism with ZeRO 0-3 (whose sharded optimizer keeps
-the master weights, parallel/zero/optimizer.py) run it; docs/llama.md has the details.
+One process (local_trainer.py) and the distributed trainer with ZeRO 0-3 (whose sharded optimizer
+keeps the master weights, parallel/zero/optimizer.py) under every parallelism run it: pipeline
+stages exchange float32 activations, tensor parallelism sums a bfloat16 gradient in float32;
+docs/llama.md has the details.
 """
 
 from __future__ import annotations

@@ -72,9 +72,10 @@ class Mesh:
                                  f"size {size}; launch a multiple of {dp * tp * cp} ranks")
             pp = size // (dp * tp * cp)
         if dp * pp * tp * cp != size:
-            raise ValueError(f"mesh: {_product(dp=dp, tp=tp, pp=pp, cp=cp)} needs {dp * pp * tp * cp} ranks, but the "
-                             f"world has {size}; launch mpiexec -n {dp * pp * tp * cp}, or choose dp x tp x pp x cp = "
-                             f"{size}")
+            axes = "dp x tp x pp" + (" x cp" if cp > 1 else "")
+            raise ValueError(f"mesh: {_product(dp=dp, tp=tp, pp=pp, cp=cp if cp > 1 else None)} needs "
+                             f"{dp * pp * tp * cp} ranks, but the world has {size}; launch mpiexec -n "
+                             f"{dp * pp * tp * cp}, or choose {axes} = {size}")
         if dp % ep:
             raise ValueError(f"mesh: --ep {ep} does not divide the data-parallel degree {dp} (world size {size} / "
                              f"(pp x tp) = {dp}): expert parallelism splits the data-parallel group; choose an --ep "

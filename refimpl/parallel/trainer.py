@@ -235,9 +235,9 @@ class Trainer:
         sharing the first one's memory ledger. Returns (strategy, expert strategy or None)."""
         norm_total, any_rank = (self._model_parallel_norm, self._model_parallel_any) if self.pp * self.tp > 1 \
             else (None, None)
-        uncounted = set()  # held whole by every tp rank: tp rank 0 counts them in the norm
-        if self.tensor_parallel is not None and self.mesh.tp_index > 0:
-            uncounted = set(self.tensor_parallel.whole_names(name for name, _ in model.named_parameters()))
+        uncounted = set()  # held whole by every tp rank: tp rank 0 counts them; replicated slices: their first rank
+        if self.tensor_parallel is not None:
+            uncounted = set(self.tensor_parallel.uncounted_names(name for name, _ in model.named_parameters()))
 
         def strategy(parts: dict, comm, ledger=None):
             if zero == 0 and precision not in ("mixed", "bf16"):  # both need ZeRO's float32 master weights

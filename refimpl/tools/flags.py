@@ -23,7 +23,7 @@ from refimpl.memory import parse_bytes
 from refimpl.optim import OPTIMIZERS
 from refimpl.parallel.pipeline.schedules import SCHEDULES
 from refimpl.tools.cluster import hardware
-from refimpl.tools.cluster.model import DTYPES, Run
+from refimpl.tools.cluster.model import ARCHITECTURES, ATTENTION_KERNELS, DTYPES, Run
 from refimpl.tools.plugin import SCHEDULE_EXAMPLE, is_spec
 from refimpl.tools.run import DEFAULTS, TrainConfig
 
@@ -263,8 +263,21 @@ def add_model_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> No
                    help="vocabulary (default 51200, GPT-2's padded)")
     p.add_argument("--batch-size", type=positive_int, default=512,
                    help="global batch in sequences per step (default 512)")
+    p.add_argument("--arch", choices=ARCHITECTURES, default="gpt2",
+                   help="the block: gpt2 (LayerNorm, learned positions, GeLU MLP of 4 x d-model) or llama (RMSNorm, "
+                        "rotary positions, SwiGLU MLP of --ffn-size, grouped-query attention with --kv-heads) "
+                        "(default gpt2)")
+    p.add_argument("--kv-heads", type=positive_int, metavar="K",
+                   help="--arch llama: key/value heads, a divisor of --n-head (1: multi-query; default --n-head)")
+    p.add_argument("--ffn-size", type=positive_int, metavar="F",
+                   help="--arch llama: the SwiGLU MLP's hidden width (default 4 x d-model)")
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="dense",
+                   help="dense: the T x T scores pass through memory, as refimpl computes them (default); flash: a "
+                        "fused causal kernel (FlashAttention) that keeps no scores and recomputes them in backward")
     p.add_argument("--dtype", choices=DTYPES, default="mixed",
-                   help="mixed: 16-bit training (P = G = 2, K = 12 bytes per parameter) (default); float32; float64")
+                   help="mixed: 16-bit training (P = G = 2, K = 12 bytes per parameter) (default); bf16: bfloat16 "
+                        "storage, gradients reduced in float32 (P = 2, G = 4, K = 12), at the 16-bit rate; float32; "
+                        "float64")
     p.add_argument("--dropout", type=probability, default=0.0,
                    help="dropout probability, in [0, 1) (> 0 keeps the masks; default 0)")
     p.add_argument("--tie-weights", action="store_true", help="the head shares the token embedding")
@@ -281,12 +294,17 @@ def add_model_arguments(p: argparse.ArgumentParser, defaults: bool = True) -> No
 
 def describe_run(r: Run) -> str:
     cp = f" × cp {r.cp} ({r.cp_impl})" if getattr(r, "cp", 1) > 1 else ""
-    text = (f"L={r.n_layer} h={r.d_model} a={r.n_head} s={r.seq_len} V={r.vocab_size}; dp {r.dp} × tp {r.tp} × "
+    arch = ""
+    if getattr(r, "arch", "gpt2") == "llama":
+        arch = f" llama (K={r.key_value_heads} key/value heads, F={r.ffn})"
+    text = (f"L={r.n_layer} h={r.d_model} a={r.n_head}{arch} s={r.seq_len} V={r.vocab_size}; dp {r.dp} × tp {r.tp} × "
             f"pp {r.pp}{cp} = {r.gpus} GPUs; ZeRO-{r.zero}, {r.dtype}, checkpoint {r.checkpoint}")
     if r.pp > 1:
         text += f", {r.schedule}" + (f" (chunks {r.chunks})" if r.chunks else "")
     if r.sequence_parallel:
         text += ", sequence parallel"
+    if getattr(r, "attention", "dense") == "flash":
+        text += ", flash attention"
     if r.experts:
         text += f", {r.experts} experts (top-{r.top_k}, ep {r.ep})"
     return text + f"; batch {r.batch_size} = {r.micro_batches} micro-batches of {r.micro_batch_size} per replica"

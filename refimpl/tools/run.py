@@ -168,18 +168,14 @@ class TrainConfig:
             build_executable_schedule(self.schedule, self.pp, self.micro_batches or 2 * self.pp, self.chunks)
 
     def check_bf16(self) -> None:
-        """--dtype bf16 runs in one process (LocalTrainer) and over data parallelism (ZeRO 0-3, whose
-        sharded optimizer keeps the float32 master weights); the model-parallel layers refuse it."""
+        """--dtype bf16 runs in one process (LocalTrainer) and on the distributed Trainer (ZeRO 0-3,
+        whose sharded optimizer keeps the float32 master weights) with every parallelism."""
         if self.model != "gpt":
             raise ValueError("--dtype bf16 is for the GPT; the MLP trains in float32 or float64")
-        for given, flag in [(self.tp > 1, "--tp"), (self.pp > 1 or self.schedule, "--pp"), (self.ep > 1, "--ep")]:
-            if given:
-                raise ValueError(f"--dtype bf16 does not yet run with {flag}; drop {flag} (one process, data "
-                                 f"parallelism and ZeRO 0-3 run it), or use --dtype mixed with {flag}")
 
     def check_arch(self) -> None:
-        """--arch, --kv-heads and --ffn-size: the Llama block's shape, and the parallel layers that do not
-        run it yet (each refused in one line rather than computing something else)."""
+        """--arch, --kv-heads and --ffn-size: the Llama block's shape (with --experts its experts are
+        SwiGLU MLPs of --ffn-size, Mixtral's; what does not run with experts is check_experts')."""
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown --arch {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}")
         if self.arch != "llama":
@@ -190,12 +186,6 @@ class TrainConfig:
             raise ValueError("--arch llama is a GPT's block; use it with --model gpt")
         check_llama_shape(self.d_model, self.n_head, self.n_head if self.kv_heads is None else self.kv_heads,
                           self.ffn_size)
-        not_yet = [(self.experts > 0, "--experts"), (self.ep > 1, "--ep")]
-        for given, flag in not_yet:
-            if given:
-                raise ValueError(f"--arch llama does not yet run with {flag}; drop {flag} (data parallelism, ZeRO "
-                                 f"0-3, pipelines, tensor parallelism and activation checkpointing run it), or use "
-                                 f"--arch gpt2")
 
     def check_experts(self) -> None:
         """--experts, --top-k, --moe-every, --capacity-factor, --aux-coef and --ep: one line each."""
@@ -241,6 +231,11 @@ class TrainConfig:
         check_options(self.tp, self.sequence_parallel, self.partition_activations, self.checkpoint, self.model,
                       self.n_head, self.seq_len, (self.kv_heads or self.n_head) if llama else None,
                       (self.ffn_size or 4 * self.d_model) if llama else None)
+        kv_heads = self.kv_heads or self.n_head
+        if llama and self.tp > kv_heads and self.cp > 1:
+            raise ValueError(f"--cp {self.cp} with --tp {self.tp} larger than --kv-heads {kv_heads} (key/value heads "
+                             f"replicated over tensor-parallel ranks) is not supported; use --cp 1, or --kv-heads "
+                             f"{self.tp}")
         if self.tp > 1 and (self.save_dir or self.resume):
             raise ValueError("sharded checkpoints (--save-dir, --resume) of tensor-parallel runs are not written yet; "
                              "use --tp 1 to save or resume")

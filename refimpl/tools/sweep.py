@@ -11,8 +11,8 @@ with and without sequence parallelism) on the GPT, with or without a pipeline, u
 stage, context parallelism (cp 2 or 4, ring attention or Ulysses; without dropout and experts,
 which it refuses) on the GPT with or without tp and a pipeline, and mixtures of experts (E 2, 4, 8;
 K 1, 2; dropless or with a capacity factor; expert parallelism over 1, 2 or 4 ranks) without tensor
-parallelism; the GPT's block is GPT-2's or, without
-experts, Llama's (grouped-query attention, SwiGLU; docs/llama.md). All in float64 with small models,
+parallelism; the GPT's block is GPT-2's or
+Llama's (grouped-query attention, SwiGLU, with experts SwiGLU experts; docs/llama.md). All in float64 with small models,
 2 steps each; mixed precision has pinned cases of its own (tests/test_verify.py). A trainer of your
 own (`verify --sweep N --trainer ...`) gets only the flags it declares in `implements`
 (protocols.py): the others keep their defaults.
@@ -149,14 +149,15 @@ def draw_flags(world_size: int, choose, schedules=None, implements=None) -> list
     if model == "gpt":
         dropouts = [0.0] if "--cp" in flags else [0.0, 0.1]  # context parallelism refuses dropout
         flags += ["--dropout", choose("dropout", dropouts), "--seed", choose("seed", [0, 1, 2])]
-        if implements is None and "--experts" not in flags:  # refimpl's trainer: Llama's block too
+        if implements is None:  # refimpl's trainer: Llama's block too (with experts: Mixtral's SwiGLU experts)
             _draw_llama(flags, choose)
     return [str(f) for f in flags]
 
 
 def _draw_llama(flags: list, choose) -> None:
     """For one GPT in two, Llama's block (docs/llama.md): key/value heads among the divisors of the
-    heads that tp divides (1 is multi-query, all of them multi-head), a SwiGLU width that tp divides;
+    heads that tp divides or, without context parallelism, that divide tp (replicated over tp/kv ranks;
+    1 is multi-query, all of them multi-head), a SwiGLU width that tp divides;
     2 or 4 heads (head width 4 or 2), so that grouped-query attention proper (1 < kv-heads < heads) occurs."""
     if choose("arch", ["gpt2", "llama"]) == "gpt2":
         return
@@ -164,8 +165,9 @@ def _draw_llama(flags: list, choose) -> None:
     flags[flags.index("--n-head") + 1] = str(n_head)
     tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
     ulysses = int(flags[flags.index("--cp") + 1]) if "ulysses" in flags else 1  # Ulysses: kv heads per tp rank ÷ cp
-    kv_heads = choose("kv_heads", [k for k in range(1, n_head + 1)
-                                   if n_head % k == 0 and k % tp == 0 and (k // tp) % ulysses == 0])
+    replicable = "--cp" not in flags  # fewer key/value heads than tp ranks (replicated): not with context parallelism
+    kv_heads = choose("kv_heads", [k for k in range(1, n_head + 1) if n_head % k == 0 and (
+        (k % tp == 0 and (k // tp) % ulysses == 0) or (replicable and k < tp and tp % k == 0))])
     flags += ["--arch", "llama", "--kv-heads", kv_heads, "--ffn-size", choose("ffn_size", [12, 20])]
 
 

@@ -368,7 +368,8 @@ def verify_config(cfg, world, factory=None, rtol=None, atol=None, inject_overflo
                          "a token whose router probabilities tie to float32 rounding can go to another expert on "
                          "either side; verify --experts in float64")
     if mixed and cfg.tp > 1:
-        raise ValueError("verify --dtype mixed bounds only float16 rounding: it assumes each piece of the batch is "
+        raise ValueError(f"verify --dtype {cfg.dtype} bounds only {'float16' if cfg.dtype == 'mixed' else 'bfloat16'} "
+                         "rounding: it assumes each piece of the batch is "
                          "computed with the reference's float32 arithmetic, and tensor parallelism changes it (sliced "
                          "GEMMs, partial sums over ranks: float32 noise in gradients that are exactly zero, such as "
                          "the key bias', which AdamW turns into up to 2·lr); verify --tp in float64")

@@ -68,12 +68,14 @@ def check(world, flags: list) -> dict:
                       max_positions=cfg.seq_len,
                       recomputed_blocks=recomputed_blocks(cfg.checkpoint, blocks),
                       restored_inputs=restores(cfg.checkpoint, blocks) if cfg.partition_activations else 0,
-                      arch=cfg.arch)
+                      arch=cfg.arch, kv_replicas=max(1, cfg.tp // (cfg.kv_heads or cfg.n_head)),
+                      head_width=cfg.d_model // cfg.n_head)
     expected = bytes_per_step(shape, cfg.sequence_parallel, cfg.tp, np.dtype(cfg.dtype).itemsize)
     ledger_ok = None  # data parallel, one stage: the ledger's model state = memory.gpt_parameters
     if cfg.zero == 0 and cfg.pp == 1:
         llama = {} if cfg.arch != "llama" else {"arch": "llama", "ffn": cfg.ffn_size or 4 * cfg.d_model,
-                                                "kv_width": (cfg.kv_heads or cfg.n_head) * cfg.d_model // cfg.n_head}
+                                                "kv_width": (cfg.kv_heads or cfg.n_head) * cfg.d_model // cfg.n_head,
+                                                "kv_heads": cfg.kv_heads or cfg.n_head}
         psi = sum(gpt_parameters(11, cfg.seq_len, cfg.d_model, cfg.n_layer, tp=cfg.tp, **llama).values())
         itemsize = np.dtype(cfg.dtype).itemsize
         ledger_ok = trainer.model_state_bytes() == {"parameters": itemsize * psi, "gradients": itemsize * psi,
@@ -83,6 +85,13 @@ def check(world, flags: list) -> dict:
              if name not in tp.splits}  # whole over the data-parallel group (ZeRO-3 holds shards)
     gathered = tp_comm.allgather_object(whole)
     equal = all(np.array_equal(other[name], whole[name]) for other in gathered for name in whole)
+    # replicated slices (key/value heads fewer than ranks) equal on the R ranks that hold them
+    replicated = {name: backend.to_host(a) for name, a in trainer.sharding.whole_parameters().items()
+                  if name in tp.splits and tp.splits[name].replicas > 1}
+    peers = tp_comm.allgather_object(replicated)
+    same_head = lambda k, name: k // tp.splits[name].replicas == tp.rank // tp.splits[name].replicas  # noqa: E731
+    equal = equal and all(np.array_equal(peers[k][name], replicated[name]) for name in replicated
+                          for k in range(tp.size) if same_head(k, name))
     return {"flags": flags, "measured": world.allgather_object(measured),
             "expected": world.allgather_object(expected), "whole_equal": all(world.allgather_object(equal)),
             "ledger_equals_formula": world.allgather_object(ledger_ok)}

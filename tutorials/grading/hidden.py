@@ -48,6 +48,10 @@ DRAWS = {
                                     int(rng.choice([2, 4, 8]))))(_int(rng, 1, 16)),
     "14.5": lambda rng: (lambda C: (C, _int(rng, 0, C - 1), _int(rng, 1, 4), _int(rng, 1, 16), 2 * C * _int(rng, 1, 64),
                                     _int(rng, 1, 128), int(rng.choice([2, 4, 8]))))(_int(rng, 1, 16)),
+    "15.3": lambda rng: (lambda kv: (_int(rng, 1, 64), _int(rng, 1, 131072), kv * _int(rng, 1, 16), kv,
+                                     2 * _int(rng, 1, 128), int(rng.choice([2, 4, 8]))))(_int(rng, 1, 16)),
+    "15.4": lambda rng: (lambda kv, group, half: (2 * half * kv * group, kv * group, kv, _int(rng, 1, 60000)))(
+        _int(rng, 1, 16), _int(rng, 1, 16), _int(rng, 1, 128)),
 }
 
 

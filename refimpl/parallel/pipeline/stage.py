@@ -90,8 +90,9 @@ class Chain:
         else:
             raise ValueError(f"pipeline stages can be cut from a GPT or an MLPClassifier, not {type(model).__name__}")
         self.param_dtype = model.parameters()[0].dtype
-        # Activations (the messages between stages): float16 parameters compute in float32 (mixed precision)
-        self.dtype = "float32" if self.param_dtype == "float16" else self.param_dtype
+        # Activations (the messages between stages): float16 and bfloat16 parameters compute in float32
+        # (mixed precision, bf16: autograd/function.py), so what travels is float32
+        self.dtype = "float32" if str(self.param_dtype) in ("float16", "bfloat16") else self.param_dtype
 
     def enter(self, x) -> Tensor:
         """The first stage's entry: token ids -> embeddings (b, T, C), or features -> Tensor (b, d_in)."""

@@ -41,6 +41,10 @@ wk, wv read their input behind one f (f̄), SwiGLU's w1 and w3 behind another, w
 
 (the "+ 2" and "+ 1" where the stage holds the head and the embedding, as above).
 
+With fewer key/value heads than ranks (Hkv < t, R = t/Hkv ranks hold each key/value head) every
+backward also sums wk's and wv's gradients, one head each, D·C elements, over the R replicas:
+an all-reduce over R ranks per block, 2·(2·D·C)(R−1)/R elements sent per micro-batch.
+
 The re-gather is Megatron-LM's choice (operators.GatherThenLinear): backward all-gathers the
 sequence shard again instead of keeping the gathered input, so sequence parallelism sends
 (2L + 1)·N·C(t−1)/t elements more per micro-batch than plain tensor parallelism, and stores 1/t
@@ -67,6 +71,8 @@ class StepShape:
     recomputed_blocks: int = 0  # block forwards recomputed per micro-batch (activation checkpointing)
     restored_inputs: int = 0  # kept block inputs restored per micro-batch, with partitioned activations
     arch: str = "gpt2"  # the block: "gpt2" or "llama" (no biases, RMSNorm, no wpe, no re-gather in the blocks)
+    kv_replicas: int = 1  # llama with fewer key/value heads than ranks: R = t/Hkv ranks hold each one
+    head_width: int = 0  # D, the elements per head and input dimension (with kv_replicas > 1)
 
 
 def elements_per_step(shape: StepShape, sequence_parallel: bool) -> dict:
@@ -97,7 +103,12 @@ def bytes_per_step(shape: StepShape, sequence_parallel: bool, tp: int, itemsize:
     Exact when t divides every buffer (N, C and T_max·C); otherwise the ring's blocks differ by one."""
     elements = elements_per_step(shape, sequence_parallel)
     factor = {"allreduce": 2, "allgather": 1, "reduce_scatter": 1}
-    return {kind: factor[kind] * count * (tp - 1) // tp * itemsize for kind, count in elements.items()}
+    sent = {kind: factor[kind] * count * (tp - 1) // tp * itemsize for kind, count in elements.items()}
+    R = shape.kv_replicas
+    if R > 1:  # wk's and wv's gradients summed over the replicas of their head, in every backward
+        replicated = shape.micro_batches * shape.blocks * 2 * shape.head_width * shape.width
+        sent["allreduce"] += 2 * replicated * (R - 1) // R * itemsize
+    return sent
 
 
 __all__ = ["StepShape", "elements_per_step", "bytes_per_step"]

@@ -19,7 +19,9 @@ Llama's block (arch "llama", `_shard_llama_block`) is cut the same way, without 
 
     attention   rms1 → one f (f̄) → wq, wk, wv column-parallel: query heads [r·H/t, (r+1)·H/t),
                 key/value heads [r·Hkv/t, (r+1)·Hkv/t) (t divides Hkv) → rotary positions and
-                attention on those heads → wo row-parallel → g (ḡ) → dropout → + residual
+                attention on those heads → wo row-parallel → g (ḡ) → dropout → + residual;
+                with Hkv < t (Hkv divides t) key/value head ⌊r·Hkv/t⌋ replicated on t/Hkv ranks,
+                its gradients summed over them (`_shard_llama_block`)
     MLP         rms2 → one f (f̄) → w1, w3 column-parallel (rows r·F/t ..) → SwiGLU → w2
                 row-parallel → g (ḡ) → dropout → + residual
 
@@ -56,14 +58,18 @@ from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 class WeightSplit:
     """A whole parameter cut along `axis` into t equal slices; `parts` > 1: the axis holds that many
     blocks (q, k, v) and each rank takes its slice of every block; `length`: the axis' real length
-    when it was padded to a multiple of t (the vocabulary), else None."""
+    when it was padded to a multiple of t (the vocabulary), else None; `replicas` > 1: cut into
+    t/replicas slices only, slice ⌊r/replicas⌋ held by `replicas` neighbouring ranks (key/value heads
+    fewer than the ranks)."""
 
     axis: int
     parts: int = 1
     length: int | None = None
+    replicas: int = 1
 
     def shard(self, whole, r: int, t: int):
         """Rank r's slice of the whole array (zero-padded first if the axis is padded)."""
+        r, t = r // self.replicas, t // self.replicas
         a = np.moveaxis(np.asarray(whole), self.axis, 0)
         if self.length is not None:
             a = np.concatenate([a, np.zeros((padded(len(a), t) - len(a),) + a.shape[1:], a.dtype)])
@@ -71,8 +77,9 @@ class WeightSplit:
         return np.moveaxis(blocks[:, r].reshape((-1,) + a.shape[1:]), 0, self.axis).copy()
 
     def join(self, shards: list):
-        """The whole array from every rank's slice, in rank order (the padding dropped)."""
-        s = [np.moveaxis(np.asarray(x), self.axis, 0) for x in shards]
+        """The whole array from every rank's slice, in rank order (the padding dropped; of replicated
+        slices the first copy)."""
+        s = [np.moveaxis(np.asarray(x), self.axis, 0) for x in shards[::self.replicas]]
         rest = s[0].shape[1:]
         blocks = np.stack([x.reshape((self.parts, -1) + rest) for x in s], axis=1)  # (parts, t, n, …)
         a = blocks.reshape((-1,) + rest)
@@ -105,6 +112,13 @@ class TensorParallelGPT:
     def whole_names(self, names) -> list:
         """The names among `names` of parameters held whole on every rank (counted once in a norm)."""
         return [name for name in names if name not in self.splits]
+
+    def uncounted_names(self, names) -> list:
+        """The names among `names` whose gradient norm another rank of the group counts: the whole
+        parameters on ranks other than 0, replicated slices on all but their first replica."""
+        names = list(names)
+        whole = self.whole_names(names) if self.rank > 0 else []
+        return whole + [name for name in names if name in self.splits and self.rank % self.splits[name].replicas]
 
     def gather_by_name(self, arrays: dict) -> dict:
         """{name: whole array} from this rank's {name: slice} (collective over the group; every rank
@@ -154,11 +168,11 @@ def check_options(tp: int, sequence_parallel: bool = False, partition_activation
         raise ValueError(f"--tp {tp} does not divide the GPT's {n_head} attention heads: use a --tp that divides "
                          f"--n-head {n_head} ({', '.join(map(str, _divisors(n_head)))}), or --n-head "
                          f"{n_head + tp - n_head % tp} with --tp {tp}")
-    if kv_heads is not None and kv_heads < tp:  # Llama's grouped-query attention: Megatron-LM's rule
-        raise ValueError(f"--tp {tp} is more than --kv-heads {kv_heads}: each tensor-parallel rank holds "
-                         f"kv-heads/tp key/value heads (replicating them over ranks is not implemented); use a --tp "
-                         f"that divides --kv-heads ({', '.join(map(str, _divisors(kv_heads)))}), or --kv-heads {tp}")
-    if kv_heads is not None and kv_heads % tp:
+    if kv_heads is not None and kv_heads < tp and tp % kv_heads:  # replicas: each rank's queries in one group
+        raise ValueError(f"--tp {tp} is more than --kv-heads {kv_heads} and not a multiple of it: each key/value "
+                         f"head is replicated on tp/kv-heads ranks; use a --tp that --kv-heads divides or that divides "
+                         f"it ({', '.join(map(str, _divisors(kv_heads)))})")
+    if kv_heads is not None and kv_heads > tp and kv_heads % tp:
         raise ValueError(f"--tp {tp} does not divide --kv-heads {kv_heads}: each tensor-parallel rank holds "
                          f"kv-heads/tp key/value heads; use a --tp that divides --kv-heads "
                          f"({', '.join(map(str, _divisors(kv_heads)))})")
@@ -179,6 +193,9 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     check_options(t, sequence_parallel, n_head=c.n_head, seq_len=c.seq_len,
                   kv_heads=c.n_kv_heads if llama else None, ffn_size=c.ffn_width if llama else None)
     tp = TensorParallelGPT(model, comm, sequence_parallel)
+    kv_replicas = max(1, t // c.n_kv_heads) if llama else 1
+    # with replicated key/value heads: the ranks that hold the same one (collective over the group)
+    replicas_comm = comm.split(r // kv_replicas) if kv_replicas > 1 else None
 
     def cut(name: str, param: Parameter, split: WeightSplit) -> Parameter:
         tp.splits[name] = split
@@ -199,7 +216,7 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
         if c.arch == "llama":
-            _shard_llama_block(block, prefix, cut, whole_in_sequence_shards, comm, sequence_parallel)
+            _shard_llama_block(block, prefix, cut, whole_in_sequence_shards, comm, sequence_parallel, replicas_comm)
             continue
         attn, mlp = block.attn, block.mlp
         attn.qkv = ColumnParallelLinear(cut(f"{prefix}.attn.qkv.weight", attn.qkv.weight, WeightSplit(0, parts=3)),
@@ -228,24 +245,42 @@ def shard_gpt(model: GPT, comm, sequence_parallel: bool = False) -> TensorParall
     return tp
 
 
-def _shard_llama_block(block, prefix: str, cut, whole_in_sequence_shards, comm, sequence_parallel: bool) -> None:
+def _shard_llama_block(block, prefix: str, cut, whole_in_sequence_shards, comm, sequence_parallel: bool,
+                       replicas_comm=None) -> None:
     """Llama's block on rank r of t: query heads [r·H/t, (r+1)·H/t) and key/value heads
     [r·Hkv/t, (r+1)·Hkv/t) -- the key/value heads of exactly those query groups, since query head
-    j·G + i uses key/value head j -- so t must divide Hkv (Megatron-LM's rule). wq, wk, wv are
+    j·G + i uses key/value head j -- when t divides Hkv (Megatron-LM's rule). wq, wk, wv are
     column-parallel (rows of those heads) behind one f (f̄), wo row-parallel; SwiGLU's w1 and w3
     column-parallel (rows [r·F/t, (r+1)·F/t)) behind one f (f̄), w2 row-parallel; the RMSNorms whole.
     None of them has a bias. Rotary positions need nothing: the projections' outputs hold whole
-    sequences (f̄ gathers them), so positions stay 0 … T−1."""
+    sequences (f̄ gathers them), so positions stay 0 … T−1.
+
+    Fewer key/value heads than ranks (Hkv divides t, R = t/Hkv replicas): rank r's H/t query heads
+    all lie in group j = ⌊r/R⌋ (G = H/Hkv is R·H/t), so it keeps key/value head j whole, as do the
+    other R − 1 ranks of its replicas group (`replicas_comm`). Each computes j's keys and values
+    for its own query heads only, so the gradient of W_k,j and W_v,j is the sum of the R replicas'
+    (∂L/∂W_k,j = Σ_(query heads i of j) ∂L_i/∂W_k,j): a hook all-reduces it over the replicas in every
+    backward. The input gradient needs nothing new: f's all-reduce over the group already sums each
+    rank's dK_r W_k,j, whose sum over the replicas is dK_j W_k,j."""
     t, r = comm.size, comm.rank
     attn, mlp = block.attn, block.mlp
     rows = WeightSplit(0)  # heads, or SwiGLU's hidden units, are contiguous rows
+    replicas = 1 if replicas_comm is None else replicas_comm.size
+    kv_rows = WeightSplit(0, replicas=replicas)
     for name in ("wq", "wk", "wv"):
-        getattr(attn, name).weight = cut(f"{prefix}.attn.{name}.weight", getattr(attn, name).weight, rows)
+        linear = getattr(attn, name)
+        linear.weight = cut(f"{prefix}.attn.{name}.weight", linear.weight, rows if name == "wq" else kv_rows)
+        if name != "wq" and replicas > 1:
+            linear.weight.register_hook(_summed_over(replicas_comm))
     attn.input_runner = shared_input_column_parallel(comm, sequence_parallel)
     attn.wo = RowParallelLinear(cut(f"{prefix}.attn.wo.weight", attn.wo.weight, WeightSplit(1)), None, comm,
                                 sequence_parallel)
-    attn.n_head, attn.kv_heads = attn.n_head // t, attn.kv_heads // t
-    attn.attn_dropout.shard = (1, r, t)  # (B, Hkv/t, G, T, T): this rank's key/value heads of the whole mask
+    if replicas == 1:
+        attn.n_head, attn.kv_heads = attn.n_head // t, attn.kv_heads // t
+        attn.attn_dropout.shard = (1, r, t)  # (B, Hkv/t, G, T, T): this rank's key/value heads of the whole mask
+    else:  # (B, 1, H/t, T, T): key/value head ⌊r/R⌋ of Hkv, and block r mod R of its G query heads
+        attn.n_head, attn.kv_heads = attn.n_head // t, 1
+        attn.attn_dropout.shard = ((1, r // replicas, t // replicas), (2, r % replicas, replicas))
     for name in ("w1", "w3"):
         getattr(mlp, name).weight = cut(f"{prefix}.mlp.{name}.weight", getattr(mlp, name).weight, rows)
     mlp.input_runner = shared_input_column_parallel(comm, sequence_parallel)
@@ -258,7 +293,13 @@ def _shard_llama_block(block, prefix: str, cut, whole_in_sequence_shards, comm, 
 
 
 def _summed_over(comm):
+    """A gradient hook: the gradient summed over the group. A bfloat16 gradient (MPI has no bfloat16
+    datatype) is summed in float32 and rounded back to bfloat16 once."""
     def hook(grad):
+        if grad.dtype.name == "bfloat16":
+            summed = grad.astype("float32")
+            comm.allreduce(summed)
+            return summed.astype(grad.dtype)
         summed = grad.copy()
         comm.allreduce(summed)
         return summed

@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refimpl.autograd.tensor import Tensor
-from refimpl.nn.layers import Block
+from refimpl.nn.layers import Block, LlamaBlock
 from refimpl.optim.adamw import AdamW
 from refimpl.parallel.comm import get_world
 from refimpl.tools.cluster.model import Efficiency, Run, action_times
@@ -199,9 +199,13 @@ def count_operations(output) -> int:
     return len(seen)
 
 
-def block_operations(width: int = 8, heads: int = 2, seq: int = 4, dropout: float = 0.0) -> int:
-    """Autograd operations of one GPT Block forward (pre-LN, dense MLP), counted in its graph."""
-    block = Block(width, heads, seq, np.random.default_rng(0), dropout=dropout, dtype="float32")
+def block_operations(width: int = 8, heads: int = 2, seq: int = 4, dropout: float = 0.0, arch: str = "gpt2") -> int:
+    """Autograd operations of one block's forward, counted in its graph: GPT-2's Block (pre-LN, dense MLP),
+    or arch="llama": the LlamaBlock (one key/value head shared by the `heads` query heads, SwiGLU of 3·width)."""
+    if arch == "llama":
+        block = LlamaBlock(width, heads, 1, 3 * width, seq, np.random.default_rng(0), dropout=dropout, dtype="float32")
+    else:
+        block = Block(width, heads, seq, np.random.default_rng(0), dropout=dropout, dtype="float32")
     x = Tensor(np.zeros((1, seq, width), dtype=np.float32), requires_grad=True)
     return count_operations(block(x))
 

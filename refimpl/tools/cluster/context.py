@@ -5,9 +5,10 @@ chunks of c = T/(2C) tokens, rank r holding chunks r and 2C − 1 − r, the bal
 runs every layer on its T/C tokens; only attention needs the other ranks' keys and values. The
 counts below are refimpl's own, imported, never restated: the score elements a rank computes
 (accounting.score_elements, with the causal skip: b·H·(2C + 1)·c² per layer, the same on every rank)
-and the bytes it sends (accounting.ring_bytes, accounting.ulysses_bytes), for the H = a/tp heads of
-one tensor-parallel rank and its micro-batch of b sequences. The model has no grouped-query
-attention (its block is GPT-2's), so Hkv = H.
+and the bytes it sends (accounting.ring_bytes, accounting.ulysses_bytes), for the H = a/tp query
+heads and Hkv = K/tp key/value heads of one tensor-parallel rank and its micro-batch of b sequences
+(GPT-2's block and multi-head attention: Hkv = H; the Llama block's grouped-query attention:
+K = --kv-heads, so its K/V blocks and their all-to-alls are a/K times smaller).
 
 Where the cp group lies (parallel/mesh.py, Megatron-LM's order: tp fastest, then cp, then dp,
 then pp): the cp ranks of a sequence are tp apart, so with tp · cp ≤ GPUs per node the whole group
@@ -32,8 +33,9 @@ the block as in forward, but each dK/dV transfer leaves only after the block's c
 so nothing hides it: C − 1 exposed hops. What is not hidden is reported as cp communication.
 
 Ulysses (ulysses.py), per layer: all-to-alls of q, k, v before attention and of the output after
-(four, each of b·(T/C)·H·D·e bytes per rank, (C − 1)/C of which leave it), and four in backward, on
-the network and not overlapped: 4 · all_to_all each way. Attention itself runs on H/C heads of whole
+(four: q and the output of b·(T/C)·H·D·e bytes per rank, k and v of b·(T/C)·Hkv·D·e, (C − 1)/C of
+which leave it), and four in backward, on the network and not overlapped: 2 · all_to_all(q) +
+2 · all_to_all(k) each way (4 · all_to_all(q) when Hkv = H). Attention itself runs on H/C heads of whole
 sequences, in 2C chunks with the causal skip: the same score count as the ring's.
 
 Memory per rank: the blocks save what saved_elements_per_block counts for T/C tokens without the
@@ -82,15 +84,22 @@ def check(run) -> None:
     if run.cp_impl == "ulysses" and heads % C:
         raise ValueError(f"--cp-impl ulysses splits each tensor-parallel rank's {heads} heads (--n-head {run.n_head} "
                          f"/ --tp {run.tp}) over --cp {C}; choose a --cp that divides {heads}, or --cp-impl ring")
+    kv_heads = run.key_value_heads // run.tp
+    if run.cp_impl == "ulysses" and kv_heads % C:
+        raise ValueError(f"--cp-impl ulysses splits each tensor-parallel rank's {kv_heads} key/value heads (--kv-heads "
+                         f"{run.key_value_heads} / --tp {run.tp}) over --cp {C}; choose a --cp that divides "
+                         f"{kv_heads}, or --cp-impl ring")
     if run.experts:
         raise ValueError("experts with --cp > 1 are not modelled (refimpl's mesh does not combine expert and context "
                          "parallelism); use --cp 1")
 
 
 def shape(run, itemsize: int) -> AttentionShape:
-    """One attention call of one tensor-parallel rank: its a/tp heads, one micro-batch."""
+    """One attention call of one tensor-parallel rank: its a/tp query heads and K/tp key/value heads, one
+    micro-batch."""
     heads = run.n_head // run.tp
-    return AttentionShape(batch=run.micro_batch_size, heads=heads, kv_heads=heads, seq_len=run.seq_len,
+    return AttentionShape(batch=run.micro_batch_size, heads=heads, kv_heads=run.key_value_heads // run.tp,
+                          seq_len=run.seq_len,
                           d_head=run.d_model // run.n_head, ranks=run.cp, itemsize=itemsize)
 
 
@@ -124,8 +133,12 @@ def layer_times(run, cluster: Cluster, links: Links, core_rate: float, itemsize:
     flops = 4 * one.d_head * scores
     C, cp_group = run.cp, group(run, cluster)
     if run.cp_impl == "ulysses":
-        buffer = one.batch * (one.seq_len // C) * one.heads * one.d_head * itemsize  # q, k, v or y of the shard
-        exchanges = 4 * links.all_to_all(buffer, cp_group)
+        buffer = one.batch * (one.seq_len // C) * one.heads * one.d_head * itemsize  # q or y of the shard
+        if one.kv_heads == one.heads:
+            exchanges = 4 * links.all_to_all(buffer, cp_group)
+        else:  # grouped-query attention: k and v carry the key/value heads only
+            kv_buffer = one.batch * (one.seq_len // C) * one.kv_heads * one.d_head * itemsize
+            exchanges = 2 * links.all_to_all(buffer, cp_group) + 2 * links.all_to_all(kv_buffer, cp_group)
         return LayerTimes(scores, flops, exchanges, exchanges)
     hop = links.send(2 * one.chunk_kv_bytes, across_nodes=cp_group.per_node < C)
     pair = 4 * one.d_head * one.batch * one.heads * one.chunk ** 2 / core_rate  # one chunk pair's products
@@ -162,5 +175,5 @@ def buffer_bytes(run, itemsize: int) -> int:
     """The ring's blocks in flight, or Ulysses' head-sharded q, k, v and output."""
     one = shape(run, itemsize)
     if run.cp_impl == "ulysses":
-        return 4 * one.batch * (one.seq_len // run.cp) * one.heads * one.d_head * itemsize
+        return 2 * (one.heads + one.kv_heads) * one.batch * (one.seq_len // run.cp) * one.d_head * itemsize
     return RING_BUFFER_BLOCKS * 2 * one.chunk_kv_bytes

@@ -104,10 +104,11 @@ class Cluster:
                                  f"{_shown(value)}")
 
     def flops(self, dtype: str) -> float:
-        """The arithmetic rate of `dtype` ("mixed": 16-bit tensor cores; "float32"; "float64")."""
+        """The arithmetic rate of `dtype` ("mixed" and "bf16": 16-bit tensor cores, whose float16 and
+        bfloat16 rates are the same on the A100 and H100; "float32"; "float64")."""
         if dtype == "float64":
             return self.peak_flops_fp64 or self.peak_flops_fp32 / 2
-        return self.peak_flops if dtype == "mixed" else self.peak_flops_fp32
+        return self.peak_flops if dtype in ("mixed", "bf16") else self.peak_flops_fp32
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -17,7 +17,8 @@ Memory per GPU (bytes), on the pipeline rank that holds the most (the first or t
     model states      the ZeRO table of memory.py (memory.partitions): P Ψ, G Ψ, K Ψ, each
                       divided by dp where the stage partitions it (the experts' by dp/ep); Ψ: this
                       rank's parameters (memory.gpt_parameter_tensors: its blocks / tp, its E/ep
-                      experts, the embedding or head / tp); mixed precision P = G = 2, K = 12
+                      experts, the embedding or head / tp); mixed precision P = G = 2, K = 12;
+                      bf16 P = 2, G = 4, K = 12
     activations       memory.saved_elements_per_block (the formula the engine's saved-tensor ledger
                       is tested against: tp, sequence parallelism, selective recomputation, full
                       recomputation's kept input N·h, and the experts' bound averaged over the
@@ -66,6 +67,47 @@ traffic per score, and the blockwise backward recomputes the scores (half the co
 softmax) whatever the checkpoint mode (selective then adds nothing); activations keep no scores
 and add the log-sum-exp; the working set is one chunk pair; buffers add the blocks in flight.
 
+The Llama block (arch "llama"; Touvron et al. 2023, Dubey et al. 2024): RMSNorm, rotary positions,
+a SwiGLU MLP of width F and grouped-query attention with K key/value heads of width D = h/a
+(kv_width = K·D). Per block, the terms above change as follows; every other term is GPT-2's.
+
+    parameters  wq, wo: h² each; wk, wv: h·K·D each; w1, w3, w2: h·F each; two RMSNorm gains h:
+                2h² + 2h·K·D + 3h·F + 2h, no biases and no position table (memory.llama_parameter_tensors)
+    GEMMs       2·N·(2h² + 2h·K·D + 3h·F)/tp forward (two FLOPs per multiply-add of each matrix);
+                with K = a and F = 4h that is 2·N·16h²/tp, against GPT-2's 2·N·12h²/tp
+    core        4·N·s·h/tp as GPT-2's: the scores and the weighted sum run over the a query heads
+                (each key/value head is shared, not copied), so grouped-query attention saves
+                projections, bytes and memory, not attention FLOPs
+    memory-     GPT-2's layer norms, residual adds and softmax; SwiGLU's silu (reads and writes F) and
+    bound       product (reads 2F, writes F): 5F per token where GeLU moves 8h; RoPE reads and writes
+                q and k: 2·(h + K·D) per token
+    operations  OPERATIONS_PER_LLAMA_BLOCK, counted in refimpl's graph as for GPT-2
+    activations memory.saved_elements_per_block(arch="llama"), Korthikanti et al.'s accounting in
+                elements as refimpl saves them, per token: the two RMSNorms' x̂ and output (4h) and
+                1/rms (2), q and the heads' output (2h), k and v (2·K·D: grouped-query attention
+                keeps K key/value heads, a/K times fewer than GPT-2's 2h), SwiGLU's gate, up
+                projection and product (3F), and the a·s probabilities per query head unless
+                recomputed; RoPE keeps nothing (its cos and sin are constants of the positions).
+                (6h + 2·K·D + 3F + 2)·N + b·a·s², against GPT-2's (16h + 2)·N + b·a·s² at K = a,
+                F = 4h; tp and sequence parallelism divide it as the ledger does
+    tp          the same all-reduces (all-gathers, reduce-scatters) of N·h per block: the column-
+                parallel group's input and the row-parallel output have width h whatever K and F
+    cp          the ring's K/V blocks and Ulysses' k and v all-to-alls carry K/tp key/value heads
+                (context.shape), the queries and outputs a/tp
+
+Attention "flash" (Dao et al. 2022, FlashAttention; the kernel every Llama-era trainer runs): at
+cp = 1 the core is 4·D per score of the tiles on and below the diagonal (flash_scores: the causal
+half, b·(a/tp)·T·(T + 128)/2, instead of the dense T×T), no score passes through memory (no softmax or
+dropout traffic, no scores among the activations or the working set; the log-sum-exp b·(a/tp)·T is
+kept), and its backward recomputes the scores (half the forward's products, whatever the checkpoint:
+selective then adds nothing); with cp > 1 the blockwise attention drops its softmax traffic likewise.
+"dense" (the default) is refimpl's attention, the one the other terms describe.
+
+Precision "bf16" (memory.PRECISIONS): bfloat16 parameters (P = 2), gradients accumulated and reduced
+in float32 (G = 4), float32 master weights and Adam moments (K = 12); activations and pipeline
+messages 2 bytes; arithmetic at the 16-bit tensor-core rate, the same as mixed's on the A100 and
+H100 (hardware.Cluster.flops).
+
 Outputs: the memory and time breakdowns, tokens per second, and MFU as Chowdhery et al. 2022
 (PaLM, appendix B) define it: model FLOPs 6·N_params·tokens + 12·L·h·s·tokens (N_params: the
 matrix parameters, the head included; recomputation not counted) ÷ (step time × GPUs × peak).
@@ -85,6 +127,7 @@ from refimpl.memory import (
     saved_elements_outside_blocks,
     saved_elements_per_block,
 )
+from refimpl.nn.layers import check_llama_shape
 from refimpl.parallel.pipeline.schedules import SCHEDULES, build
 
 from . import context
@@ -93,7 +136,8 @@ from .hardware import Cluster
 from .pipeline import estimate_step, parameter_copies, simulate_step, visits
 
 CHECKPOINTS = ("none", "selective", "full")
-DTYPES = ("mixed", "float32", "float64")
+DTYPES = ("mixed", "float32", "float64", "bf16")
+ARCHITECTURES = ("gpt2", "llama")
 BUCKET_BYTES = 25 * 10**6  # PyTorch DDP's default bucket (bucket_cap_mb=25)
 # Kernels of one block's forward, as refimpl's engine runs it: one autograd operation each (2 layer
 # norms, 4 linears, the qkv split, 4 reshapes, 4 transposes, 2 batched products, the causal
@@ -101,6 +145,12 @@ BUCKET_BYTES = 25 * 10**6  # PyTorch DDP's default bucket (bucket_cap_mb=25)
 # calibrate.block_operations (tests/test_cluster.py); the model charges them once in F, I and W.
 OPERATIONS_PER_BLOCK = 21
 OPERATIONS_PER_DROPOUT_BLOCK = 24
+# The Llama block's (nn/layers.py's LlamaBlock: 2 RMSNorms, 7 linears, RoPE on q and k, SwiGLU's silu and
+# product, ...), counted the same way (calibrate.block_operations(arch="llama")).
+OPERATIONS_PER_LLAMA_BLOCK = 30
+OPERATIONS_PER_DROPOUT_LLAMA_BLOCK = 33
+ATTENTION_KERNELS = ("dense", "flash")
+FLASH_TILE = 128  # the fused kernel's query and key tiles (FlashAttention-2's 128 × 128 for a head of 128)
 
 
 @dataclass(frozen=True)
@@ -146,6 +196,30 @@ class Run:
     ep: int = 1
     cp: int = 1  # context-parallel ranks per sequence (cluster/context.py)
     cp_impl: str = "ring"  # ring or ulysses
+    arch: str = "gpt2"  # the block: gpt2, or llama (RMSNorm, RoPE, SwiGLU, grouped-query attention)
+    kv_heads: int | None = None  # llama: key/value heads K, a divisor of n_head (None: n_head)
+    ffn_size: int | None = None  # llama: the SwiGLU MLP's width F (None: 4·d_model)
+    attention: str = "dense"  # dense: the T×T scores through memory, as refimpl; flash: a fused kernel
+
+    @property
+    def key_value_heads(self) -> int:
+        """K: the key/value heads (GPT-2 and multi-head attention: n_head)."""
+        return self.n_head if self.arch != "llama" or self.kv_heads is None else self.kv_heads
+
+    @property
+    def kv_width(self) -> int:
+        """K·D: the width of the keys (and of the values)."""
+        return self.key_value_heads * (self.d_model // self.n_head)
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width: F (llama), 4h (GPT-2)."""
+        return self.ffn_size if self.arch == "llama" and self.ffn_size is not None else 4 * self.d_model
+
+    @property
+    def shape(self) -> dict:
+        """The block's shape as memory.py's formulas take it (nothing for GPT-2: their defaults)."""
+        return {"arch": "llama", "kv_width": self.kv_width, "ffn": self.ffn} if self.arch == "llama" else {}
 
     @property
     def gpus(self) -> int:
@@ -176,6 +250,7 @@ class Run:
             raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
         if self.n_head % self.tp:
             raise ValueError(f"--tp {self.tp} must divide --n-head {self.n_head} (each tp rank takes whole heads)")
+        check_architecture(self)
         if self.batch_size % (self.dp * self.micro_batch_size):
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by dp × micro-batch size = "
                              f"{self.dp} × {self.micro_batch_size}; each replica needs whole micro-batches")
@@ -187,6 +262,8 @@ class Run:
             raise ValueError(f"--checkpoint must be one of {', '.join(CHECKPOINTS)}; got {self.checkpoint!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tp > 1")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION_KERNELS)}; got {self.attention!r}")
         context.check(self)
         if self.experts:
             if self.experts % self.ep or self.dp % self.ep:
@@ -212,6 +289,30 @@ class Run:
         return -(-self.n_layer // self.stages)
 
 
+def check_architecture(run: Run) -> None:
+    """One-line ValueErrors for the block's shape: refimpl's own rules (nn/layers.check_llama_shape), and
+    Megatron-LM's for tensor parallelism (tp divides the key/value heads and the SwiGLU width)."""
+    if run.arch not in ARCHITECTURES:
+        raise ValueError(f"--arch must be one of {', '.join(ARCHITECTURES)}; got {run.arch!r}")
+    if run.arch != "llama":
+        if run.kv_heads is not None or run.ffn_size is not None:
+            raise ValueError("--kv-heads and --ffn-size shape the Llama block; add --arch llama")
+        return
+    for name, value in (("kv_heads", run.kv_heads), ("ffn_size", run.ffn_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer; got {value!r}")
+    check_llama_shape(run.d_model, run.n_head, run.key_value_heads, run.ffn_size)
+    if run.key_value_heads % run.tp:
+        raise ValueError(f"--tp {run.tp} must divide --kv-heads {run.key_value_heads} (each tp rank takes whole "
+                         f"key/value heads, as Megatron-LM requires); use a --tp that divides it")
+    if run.ffn % run.tp:
+        raise ValueError(f"--tp {run.tp} must divide --ffn-size {run.ffn} (each tp rank takes ffn-size/tp of the "
+                         f"SwiGLU MLP's hidden units); use --ffn-size {run.ffn + run.tp - run.ffn % run.tp}")
+    if run.experts:
+        raise ValueError("--arch llama with --experts is not modelled yet (the cluster model's Llama block has the "
+                         "dense SwiGLU MLP); drop --experts, or use --arch gpt2")
+
+
 # ------------------------------------------------------------------------------------------------
 # Parameters
 # ------------------------------------------------------------------------------------------------
@@ -225,16 +326,35 @@ def moe_blocks(run: Run, blocks: int) -> int:
 def parameters(run: Run) -> int:
     """Ψ of the whole model (memory.gpt_parameter_tensors: refimpl's GPT, untied head unless tie_weights)."""
     return sum(gpt_parameters(run.vocab_size, run.seq_len, run.d_model, run.n_layer, tied=run.tie_weights,
-                              experts=run.experts, moe_every=run.moe_every).values())
+                              experts=run.experts, moe_every=run.moe_every, **run.shape).values())
+
+
+def block_matrix_elements(run: Run) -> int:
+    """The matrices of one dense block: GPT-2's 12h² (qkv 3h², proj h², the MLP 8h²); Llama's
+    2h² + 2h·K·D + 3h·F (wq and wo; wk and wv; w1, w3 and w2)."""
+    h = run.d_model
+    if run.arch == "llama":
+        return 2 * h * h + 2 * h * run.kv_width + 3 * h * run.ffn
+    return 12 * h * h
 
 
 def matmul_parameters(run: Run) -> int:
     """Parameters that multiply each token (PaLM's N for the model FLOPs): the blocks' matrices,
     K of E experts' MLPs, the router, and the head."""
     h = run.d_model
+    if run.arch == "llama":
+        return run.n_layer * block_matrix_elements(run) + run.vocab_size * h
     moe = moe_blocks(run, run.n_layer)
     per_dense, per_moe = 12 * h * h, 4 * h * h + run.top_k * 8 * h * h + run.experts * h
     return (run.n_layer - moe) * per_dense + moe * per_moe + run.vocab_size * h
+
+
+def model_flops(run: Run) -> int:
+    """FLOPs of one step as PaLM's MFU counts them (Chowdhery et al. 2022, appendix B): 6·N per token for
+    the N = matmul_parameters, and 12·L·h·T per token for attention (the whole T×T, recomputation
+    not counted), over the B·T tokens of the step."""
+    tokens = run.batch_size * run.seq_len
+    return tokens * (6 * matmul_parameters(run) + 12 * run.n_layer * run.d_model * run.seq_len)
 
 
 def rank_parameters(run: Run, first: bool, last: bool) -> tuple[int, int]:
@@ -243,8 +363,14 @@ def rank_parameters(run: Run, first: bool, last: bool) -> tuple[int, int]:
     two stages."""
     blocks = -(-run.n_layer // run.pp) * parameter_copies(run.schedule) if run.pp > 1 else run.n_layer
     held = gpt_parameters(run.vocab_size, run.seq_len, run.d_model, blocks, run.tp, run.tie_weights, run.experts,
-                          run.moe_every, run.ep, embedding=first, head=last)
+                          run.moe_every, run.ep, embedding=first, head=last, **run.shape)
     return held["split"] + held["whole"], held["experts"]
+
+
+def flash_scores(run: Run) -> int:
+    """Score elements a fused causal kernel computes per block, on one tp rank and micro-batch: the tiles
+    on and below the diagonal, b·(a/tp)·T·(T + tile)/2 (exact when the tile divides T)."""
+    return run.micro_batch_size * (run.n_head // run.tp) * run.seq_len * (run.seq_len + FLASH_TILE) // 2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,20 +410,29 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
     gemm_rate, core_rate, bandwidth = flops * eff.gemm, flops * eff.attention, cluster.memory_bandwidth * eff.memory
 
     # Per block, forward: GEMMs, the attention core, memory-bound traffic (elements per token).
-    dense_gemm = 24 * N * h * h / t
+    dense_gemm = 24 * N * h * h / t if run.arch != "llama" else 2 * N * block_matrix_elements(run) / t
+    pointwise = 8 * h if run.arch != "llama" else 5 * run.ffn + 2 * (h + run.kv_width)  # GeLU; SwiGLU and RoPE
     moe_gemm = 8 * N * h * h / t + run.top_k * 16 * N * h * h + 2 * N * h * run.experts
     gemm = (blocks - moe) * dense_gemm + moe * moe_gemm
     whole = (4 + 6) * h + (9 * h if run.dropout else 0)  # layer norms, residual adds, dropouts
-    if run.cp == 1:  # dense attention: every score of the T×T product
+    flash = run.attention == "flash"
+    if run.cp == 1 and flash:  # a fused kernel: the causal half of the scores, none of them through memory
+        core = blocks * 4 * (h // a) * flash_scores(run)
+        traffic = blocks * N * e * ((whole / t if sp else whole) + pointwise / t)
+    elif run.cp == 1:  # dense attention: every score of the T×T product
         core = blocks * 4 * N * s * h / t
-        split = 8 * h + 2 * a * s + (3 * a * s if run.dropout else 0)  # GeLU; softmax (and its dropout) per head
+        split = pointwise + 2 * a * s + (3 * a * s if run.dropout else 0)  # MLP; softmax (and dropout) per head
         traffic = blocks * N * e * ((whole / t if sp else whole) + split / t)
     else:  # blockwise attention on T/cp tokens: the score elements refimpl computes (cluster/context.py)
         attention = context.layer_times(run, cluster, links, flops * eff.attention, e)
         core = blocks * attention.flops
         softmax = blocks * e * (2 + (3 if run.dropout else 0)) * attention.scores  # softmax (and dropout) per score
-        traffic = blocks * N * e * ((whole / t if sp else whole) + 8 * h / t) + softmax
-    overhead = blocks * (OPERATIONS_PER_DROPOUT_BLOCK if run.dropout else OPERATIONS_PER_BLOCK) * cluster.op_overhead
+        traffic = blocks * N * e * ((whole / t if sp else whole) + pointwise / t) + (0 if flash else softmax)
+    if run.arch == "llama":
+        operations = OPERATIONS_PER_DROPOUT_LLAMA_BLOCK if run.dropout else OPERATIONS_PER_LLAMA_BLOCK
+    else:
+        operations = OPERATIONS_PER_DROPOUT_BLOCK if run.dropout else OPERATIONS_PER_BLOCK
+    overhead = blocks * operations * cluster.op_overhead
     blocks_forward = gemm / gemm_rate + core / core_rate + traffic / bandwidth + overhead
     times = ActionTimes()
     _add(times.F, "compute", blocks_forward)
@@ -333,11 +468,13 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
     # Recomputation, charged to the backward that needs it.
     if run.checkpoint == "full":
         _add(times.I, "recompute", blocks_forward)  # the blocks again; the head is not checkpointed
-    elif run.checkpoint == "selective" and run.cp == 1:
+    elif run.checkpoint == "selective" and run.cp == 1 and not flash:
         _add(times.I, "recompute", core / core_rate + blocks * N * e * (2 * a * s / t) / bandwidth)
     if run.cp > 1:  # blockwise backward recomputes every block's scores and softmax, whatever the checkpoint
-        recomputed_softmax = blocks * e * 2 * attention.scores  # exp(s − L) of every block again, as selective's
+        recomputed_softmax = 0 if flash else blocks * e * 2 * attention.scores  # exp(s − L) again, as selective's
         _add(times.I, "recompute", context.RECOMPUTED_PRODUCTS * core / core_rate + recomputed_softmax / bandwidth)
+    elif flash:  # the fused kernel's backward recomputes the scores (half its forward products), on chip
+        _add(times.I, "recompute", context.RECOMPUTED_PRODUCTS * core / core_rate)
 
     # ZeRO-3: the stage's parameters gathered for F and for B, gradients reduce-scattered in B,
     # prefetched behind the compute (exposed: what the compute does not cover, and the first block).
@@ -373,7 +510,7 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
 
 
 def _itemsize(dtype: str) -> int:
-    return {"mixed": 2, "float32": 4, "float64": 8}[dtype]
+    return {"mixed": 2, "bf16": 2, "float32": 4, "float64": 8}[dtype]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -447,8 +584,7 @@ def predict(run: Run, cluster: Cluster, eff: Efficiency | None = None, simulate:
     step = makespan + time["dp_communication"] + time["optimizer"]
 
     tokens = run.batch_size * run.seq_len
-    model_flops = tokens * (6 * matmul_parameters(run) + 12 * run.n_layer * run.d_model * run.seq_len)
-    per_gpu = model_flops / step / run.gpus
+    per_gpu = model_flops(run) / step / run.gpus
     memory = max((memory_breakdown(run, cluster, peaks[r], first=(r == 0), last=(r == len(peaks) - 1))
                   for r in {0, len(peaks) - 1}), key=lambda d: sum(d.values()))
     total = int(sum(memory.values()))
@@ -509,9 +645,11 @@ def memory_breakdown(run: Run, cluster: Cluster, in_flight: int, first: bool, la
         out[category] = per_parameter * held  # memory.py's ZeRO table
     blocks, sp = run.blocks_per_stage, run.sequence_parallel
     tokens = s // run.cp  # of each sequence, on this rank
-    recompute = "selective" if run.checkpoint == "selective" or run.cp > 1 else "none"  # cp: blockwise, no scores
-    per_block = e * sum(saved_elements_per_block(b, tokens, h, a, t, sp, run.dropout, recompute).values())
-    if run.cp > 1:
+    flash = run.attention == "flash"  # cp or flash: blockwise, no scores kept
+    recompute = "selective" if run.checkpoint == "selective" or run.cp > 1 or flash else "none"
+    per_block = e * sum(saved_elements_per_block(b, tokens, h, a, t, sp, run.dropout, recompute,
+                                                 **run.shape).values())
+    if run.cp > 1 or flash:
         per_block += e * context.saved_elements(run)  # the log-sum-exp
     if run.experts:  # the stage's share of MoE blocks, averaged over its blocks
         per_block += e * moe_blocks(run, blocks) / blocks * b * s * expert_elements_per_token(h, run.experts, run.top_k)
@@ -523,12 +661,15 @@ def memory_breakdown(run: Run, cluster: Cluster, in_flight: int, first: bool, la
     if last:
         activations += 4 * logits  # the head's float32 logits, kept for the loss's backward
     out["activations"] = activations
-    scores = 2 * b * (a / t) * s * s * e if run.cp == 1 else context.working_elements(run) * e
+    if run.cp > 1:
+        scores = context.working_elements(run) * e  # one chunk pair
+    else:
+        scores = 0 if flash else 2 * b * (a / t) * s * s * e  # the fused kernel's tiles stay on chip
     working = max(scores, 2 * 4 * logits)
     out["working"] = working + (per_block if run.checkpoint == "full" else 0)  # the block being recomputed
     buffers = 2 * e * b * tokens * h if run.pp > 1 else 0
     if run.zero == 3:
-        buffers += 2 * p_bytes * (12 * h * h // t)
+        buffers += 2 * p_bytes * (block_matrix_elements(run) // t)
     elif run.gradient_ranks > 1:
         buffers += 2 * min(BUCKET_BYTES, g_bytes * dense)
     if run.cp > 1:

@@ -2,14 +2,17 @@
 
 The search space (what Megatron-LM's and DeepSpeed's users choose by hand):
 
-    tp          powers of two up to a node's GPUs, dividing the heads
+    tp          powers of two up to a node's GPUs, dividing the heads (Llama: the key/value heads
+                and the SwiGLU width too)
     cp          for long sequences (seq_len ≥ LONG_SEQUENCE, or up to max_cp when given): the
                 divisors C of G / tp with the sequence divisible by 2C (layout.py's chunks), each
-                with ring attention, and with Ulysses where tp · C divides the heads
+                with ring attention, and with Ulysses where tp · C divides the heads (and the
+                key/value heads)
     pp          divisors of the layer count (every stage gets whole blocks), with tp · cp · pp dividing G
     dp          G / (tp · cp · pp), dividing the global batch into whole micro-batches
     ZeRO        0, 1, 2, 3
-    recompute   none, selective, full (with cp > 1 selective is the same as none, and not searched)
+    recompute   none, selective, full (with cp > 1 or flash attention selective is the same as none, and
+                not searched)
     schedule    1f1b, interleaved (2 chunks), zb1p, dualpipe  (pp > 1; the generators' own rules)
     micro-batch 1 … 8 sequences
     sequence parallelism on and off (tp > 1)
@@ -23,6 +26,9 @@ are then predicted with the schedule simulator, and the result is ranked by simu
 `--params 70B` picks the model shape: the published GPT shape (GPT-3's family, Brown et al.
 2020, Table 2.1; Megatron-LM's weak-scaling models, Narayanan et al. 2021, Table 1) whose
 parameter count is nearest in log scale (PARAMETER_SHAPES below; `plan` prints the one it took).
+With `--arch llama` it picks among the Llama shapes instead (LLAMA_SHAPES: Llama 2, Touvron et al.
+2023, and Llama 3, Dubey et al. 2024, Table 3; the layer counts, widths, heads, key/value heads and
+SwiGLU widths of the released models' configurations).
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ PARAMETER_SHAPES = (
     ("Megatron 529.6B", 105, 20480, 128),
     ("Megatron 1T", 128, 25600, 160),
 )
+# (name, layers, width, heads, key/value heads, SwiGLU width): Llama 2 (Touvron et al. 2023) and Llama 3
+# (Dubey et al. 2024, Table 3); Llama 2 70B and Llama 3 70B share their block's shape.
+LLAMA_SHAPES = (
+    ("Llama 2 7B", 32, 4096, 32, 32, 11008),
+    ("Llama 2 13B", 40, 5120, 40, 40, 13824),
+    ("Llama 2 / Llama 3 70B", 80, 8192, 64, 8, 28672),
+    ("Llama 3 405B", 126, 16384, 128, 8, 53248),
+)
 PLAN_SCHEDULES = ("1f1b", "interleaved", "zb1p", "dualpipe")
 MICRO_BATCH_SIZES = tuple(range(1, 9))
 # Sequences this long get context parallelism searched: Llama 3 trained its 8K-token phase at cp 1 and
@@ -68,6 +82,14 @@ def shape_for(params: int, seq_len: int = 2048, vocab_size: int = 51200) -> tupl
     return min(PARAMETER_SHAPES, key=lambda shape: abs(math.log(psi(shape) / params)))
 
 
+def llama_shape_for(params: int, seq_len: int = 2048, vocab_size: int = 51200) -> tuple[str, int, int, int, int, int]:
+    """The Llama shape (LLAMA_SHAPES) whose Ψ (refimpl's count, untied head) is nearest `params` in log scale."""
+    def psi(shape):
+        _, L, h, a, kv, ffn = shape
+        return parameters(Run(L, h, a, seq_len, vocab_size, 1, arch="llama", kv_heads=kv, ffn_size=ffn))
+    return min(LLAMA_SHAPES, key=lambda shape: abs(math.log(psi(shape) / params)))
+
+
 @dataclass
 class Plan:
     best: list[Prediction]  # fastest first (simulated)
@@ -79,7 +101,8 @@ class Plan:
 
 def _tps(base: Run, gpus: int, cluster: Cluster) -> list[int]:
     return [t for t in (2 ** i for i in range(int(math.log2(cluster.gpus_per_node)) + 1))
-            if t <= cluster.gpus_per_node and base.n_head % t == 0 and gpus % t == 0]
+            if t <= cluster.gpus_per_node and base.n_head % t == 0 and gpus % t == 0
+            and base.key_value_heads % t == 0 and base.ffn % t == 0]
 
 
 DIVISOR_SEARCH_LIMIT = 10**12  # trial division up to 10^6
@@ -108,7 +131,7 @@ def _cps(base: Run, gpus: int, tp: int, max_cp: int | None) -> list[tuple[int, s
         if C > limit or base.seq_len % (2 * C):
             continue
         pairs.append((C, "ring"))
-        if base.n_head % (tp * C) == 0:
+        if base.n_head % (tp * C) == 0 and base.key_value_heads % (tp * C) == 0:
             pairs.append((C, "ulysses"))
     return pairs
 
@@ -150,7 +173,8 @@ def _candidates_at(base: Run, gpus: int, tp: int):
                     for zero in range(4):
                         if zero and dp * cp == 1:
                             continue  # nothing to shard over (parameters are replicated over dp · cp)
-                        for checkpoint in CHECKPOINTS if cp == 1 else CONTEXT_PARALLEL_CHECKPOINTS:
+                        blockwise = cp > 1 or base.attention == "flash"  # selective is none: no scores kept
+                        for checkpoint in CONTEXT_PARALLEL_CHECKPOINTS if blockwise else CHECKPOINTS:
                             yield replace(base, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, schedule=schedule,
                                           chunks=chunks, sequence_parallel=sp, zero=zero, checkpoint=checkpoint)
 

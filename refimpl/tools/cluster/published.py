@@ -1,9 +1,10 @@
 """Published training runs at 64 or more GPUs, and the cost model's error on each.
 
 Every row is a configuration its authors state in full (model, tp, pp, dp, batch, micro-batch,
-recomputation, schedule) and a measured iteration time; the model predicts it with the a100-80gb
-preset and the one fixed `model.EFFICIENCY`, never a per-row constant. What a row had to assume
-is in its `assumed`; what the model leaves out of that run is in its `left_out`.
+recomputation, schedule) and a measured iteration time; the model predicts it with its cluster's
+preset (ROWS: a100-80gb; LLAMA_ROWS: h100-80gb) and the one fixed `model.EFFICIENCY`, never a
+per-row constant. What a row had to assume is in its `assumed`; what the model leaves out of that
+run is in its `left_out`.
 
     python -m refimpl.tools.cluster.published          # the Markdown table of docs/cluster_model.md
 
@@ -23,6 +24,19 @@ Sources (arXiv ids; table and row):
       2201.11990, §2.4 (as quoted by llm-analysis's README): 2240 A100s, tp 8, pp 35, dp 8, batch
       1920: 60.1 s per iteration (126 TFLOP/s per GPU).
 
+Llama-family rows (LLAMA_ROWS: the Llama block, bf16, on H100s):
+  Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv 2407.21783, Table 4 (Llama 3 405B
+      pre-training): 8,192 GPUs at tp 8, cp 1, pp 16, dp 64, sequences of 8,192 tokens, batch
+      size per dp 32 (16M tokens), 430 TFLOP/s per GPU, BF16 MFU 43%; 16,384 GPUs at dp 128, batch
+      per dp 16, 400 TFLOP/s, 41%. §3.3.2: FSDP shards gradients and optimizer states and keeps the
+      weights gathered from forward to backward (ZeRO-2's memory), an interleaved schedule of V
+      stages per rank, one layer fewer on the first and the last stage, and no activation
+      checkpointing at 8K tokens. The shape is Table 3's (126 layers, width 16,384, 128 heads, 8
+      key/value heads, SwiGLU 53,248) with the released vocabulary of 128,256 (the table rounds it
+      to 128,000), 405,853,388,800 parameters. The paper gives TFLOP/s and MFU
+      (Chowdhery et al.'s, which model.model_flops counts), not an iteration time: the row's
+      seconds are model_flops / (TFLOP/s × GPUs).
+
 No row has context parallelism: no published long-context run found states enough for this model
 (a GPT block, 16-bit rates, a stated micro-batch, recomputation and iteration time); the sources
 looked at and what each lacks are in docs/cluster_model.md §7.
@@ -33,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import PRESETS
-from .model import Run, predict
+from .model import Run, model_flops, predict
 
 TOLERANCE = 0.15  # the bar: each published result predicted within 15%
 
@@ -45,6 +59,7 @@ class Published:
     seconds: float  # the published iteration time
     assumed: str  # what the row does not state and the model had to choose
     left_out: str  # what the run did that the model does not describe
+    cluster: str = "a100-80gb"  # the preset it is predicted on
 
 
 def _gpt(L, h, a, batch, tp, pp, dp=1, mbs=1, checkpoint="full", schedule="1f1b", chunks=None, sp=False, zero=0,
@@ -88,6 +103,36 @@ ROWS = (
 )
 
 
+def _llama3_405b(gpus: int, dp: int, batch_per_dp: int) -> Run:
+    """Llama 3 405B at 8K tokens (Dubey et al. 2024, Tables 3 and 4, §3.3.2), with this module's assumptions."""
+    return Run(n_layer=126, d_model=16384, n_head=128, seq_len=8192, vocab_size=128256, batch_size=batch_per_dp * dp,
+               micro_batch_size=1, dp=dp, tp=8, pp=gpus // (8 * dp), zero=2, dtype="bf16", checkpoint="none",
+               schedule="interleaved", chunks=2, sequence_parallel=True, arch="llama", kv_heads=8, ffn_size=53248,
+               attention="flash")
+
+
+def seconds_from_tflops(run: Run, tflops_per_gpu: float) -> float:
+    """The step time a published TFLOP/s per GPU implies, with the model's FLOP count (PaLM's)."""
+    return model_flops(run) / (tflops_per_gpu * 1e12 * run.gpus)
+
+
+_L3 = "Dubey et al. 2024 (Llama 3), Table 4, 405B"
+_L3_ASSUMED = ("micro-batch 1; interleaved with 2 chunks per rank (V is not stated; Figure 6 draws 2); FlashAttention "
+               "and sequence parallelism (not named); seconds from {tflops} TFLOP/s per GPU and the model's FLOP count "
+               "(PaLM's, the paper's MFU)")
+_L3_LEFT_OUT = ("the tunable-N schedule and the two stages one layer short (the model times every stage as the "
+                "slowest); the document mask; memory: the model's peak is over 80 GB ((V + 1)·pp − 1 chunks in "
+                "flight on the first rank, and refimpl's sequence-parallel Llama block keeps its gathered inputs "
+                "whole) where the run fitted")
+_L3_8K, _L3_16K = _llama3_405b(8192, 64, 32), _llama3_405b(16384, 128, 16)
+LLAMA_ROWS = (
+    Published(f"{_L3}, 8,192 GPUs (430 TFLOP/s)", _L3_8K, seconds_from_tflops(_L3_8K, 430),
+              _L3_ASSUMED.format(tflops=430), _L3_LEFT_OUT, "h100-80gb"),
+    Published(f"{_L3}, 16,384 GPUs (400 TFLOP/s)", _L3_16K, seconds_from_tflops(_L3_16K, 400),
+              _L3_ASSUMED.format(tflops=400), _L3_LEFT_OUT, "h100-80gb"),
+)
+
+
 @dataclass(frozen=True)
 class Check:
     row: Published
@@ -98,22 +143,25 @@ class Check:
         return self.predicted / self.row.seconds - 1
 
 
-def checks(cluster: str = "a100-80gb") -> list[Check]:
-    return [Check(row, predict(row.run, PRESETS[cluster]).step_seconds) for row in ROWS]
+def checks(cluster: str | None = None) -> list[Check]:
+    """Every row (ROWS, then LLAMA_ROWS) predicted on its own preset, or all on `cluster`."""
+    return [Check(row, predict(row.run, PRESETS[cluster or row.cluster]).step_seconds) for row in ROWS + LLAMA_ROWS]
 
 
 def table(results: list[Check]) -> str:
-    lines = ["| source | GPUs | tp × pp × dp | published s | predicted s | error | assumed | the model leaves out |",
-             "|---|---:|---|---:|---:|---:|---|---|"]
+    lines = ["| source | cluster | GPUs | tp × pp × dp | published s | predicted s | error | assumed | "
+             "the model leaves out |",
+             "|---|---|---:|---|---:|---:|---:|---|---|"]
     for c in results:
         r = c.row.run
         mark = "" if abs(c.error) <= TOLERANCE else " (over 15%)"
-        lines.append(f"| {c.row.source} | {r.gpus} | {r.tp} × {r.pp} × {r.dp} | {c.row.seconds:.2f} | "
-                     f"{c.predicted:.2f} | {100 * c.error:+.0f}%{mark} | {c.row.assumed} | {c.row.left_out} |")
+        lines.append(f"| {c.row.source} | {c.row.cluster} | {r.gpus} | {r.tp} × {r.pp} × {r.dp} | "
+                     f"{c.row.seconds:.2f} | {c.predicted:.2f} | {100 * c.error:+.0f}%{mark} | {c.row.assumed} | "
+                     f"{c.row.left_out} |")
     within = sum(abs(c.error) <= TOLERANCE for c in results)
     lines.append("")
     lines.append(f"{within} of {len(results)} rows within {TOLERANCE:.0%}; one fixed set of efficiencies "
-                 f"(model.EFFICIENCY), the a100-80gb preset.")
+                 f"(model.EFFICIENCY), each row on its cluster's preset.")
     return "\n".join(lines)
 
 

@@ -4,9 +4,12 @@
     python -m refimpl plan --n-layer 96 --d-model 12288 --n-head 96 --gpus 1024 --batch-size 1536
     python -m refimpl plan --params 1T --gpus 4096 --cluster h100-80gb --json --plot search.png
     python -m refimpl plan --params 7B --gpus 64 --seq-len 131072 --batch-size 16      # searches cp too
+    python -m refimpl plan --arch llama --params 70B --vocab-size 32000 --seq-len 4096 --gpus 512 --dtype bf16 \
+        --cluster h100-80gb                                                           # a Llama shape
 
 The search and its space are refimpl/tools/cluster/plan.py's; every number is the cost model's
-(refimpl/tools/cluster/model.py). --params picks the nearest published GPT shape (plan.PARAMETER_SHAPES).
+(refimpl/tools/cluster/model.py). --params picks the nearest published GPT shape (plan.PARAMETER_SHAPES),
+or with --arch llama the nearest Llama shape (plan.LLAMA_SHAPES).
 """
 
 from __future__ import annotations
@@ -16,8 +19,15 @@ import time
 
 from refimpl.memory import format_bytes, parse_count
 from refimpl.tools.cluster import hardware
-from refimpl.tools.cluster.model import Run
-from refimpl.tools.cluster.plan import LONG_SEQUENCE, candidates_estimate, plan, shape_for, why_slower
+from refimpl.tools.cluster.model import Run, check_architecture
+from refimpl.tools.cluster.plan import (
+    LONG_SEQUENCE,
+    candidates_estimate,
+    llama_shape_for,
+    plan,
+    shape_for,
+    why_slower,
+)
 from refimpl.tools.console import emit_json, log
 from refimpl.tools.flags import (
     add_max_work_argument,
@@ -32,8 +42,8 @@ MAX_CANDIDATES = 100_000  # each costs about a millisecond of the cost model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", metavar="PSI", help="model size (70B, 1T, 350M): the nearest published GPT shape; "
-                   "or give --n-layer, --d-model and --n-head")
+    p.add_argument("--params", metavar="PSI", help="model size (70B, 1T, 350M): the nearest published GPT shape "
+                   "(with --arch llama: Llama shape); or give --n-layer, --d-model and --n-head")
     add_model_arguments(p, defaults=False)
     p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for")
     p.add_argument("--top", type=positive_int, default=5, help="configurations to show (default 5)")
@@ -48,20 +58,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def base_run(args) -> tuple[Run, str]:
     dims = (args.n_layer, args.d_model, args.n_head)
+    kv_heads, ffn_size = args.kv_heads, args.ffn_size
     if args.params is not None:
         if any(d is not None for d in dims):
             raise ValueError("give either --params or --n-layer/--d-model/--n-head, not both")
-        name, L, h, a = shape_for(parse_count(args.params), args.seq_len, args.vocab_size)
+        if args.arch == "llama":
+            if kv_heads is not None or ffn_size is not None:
+                raise ValueError("--params picks a Llama shape with its own --kv-heads and --ffn-size; give either "
+                                 "--params or all of --n-layer, --d-model, --n-head (and --kv-heads, --ffn-size)")
+            name, L, h, a, kv_heads, ffn_size = llama_shape_for(parse_count(args.params), args.seq_len,
+                                                                args.vocab_size)
+        else:
+            name, L, h, a = shape_for(parse_count(args.params), args.seq_len, args.vocab_size)
     elif all(d is not None for d in dims):
         name, (L, h, a) = "given", dims
     else:
         raise ValueError("say which model: --params 70B, or all of --n-layer, --d-model and --n-head")
     run = Run(n_layer=L, d_model=h, n_head=a, seq_len=args.seq_len, vocab_size=args.vocab_size,
               batch_size=args.batch_size, dtype=args.dtype, dropout=args.dropout > 0, tie_weights=args.tie_weights,
-              experts=args.experts, top_k=args.top_k, moe_every=args.moe_every)
+              experts=args.experts, top_k=args.top_k, moe_every=args.moe_every, arch=args.arch, kv_heads=kv_heads,
+              ffn_size=ffn_size, attention=args.attention)
     for flag, value in (("--gpus", args.gpus), ("--top", args.top), ("--refine", args.refine)):
         if value < 1:
             raise ValueError(f"{flag} must be a positive integer; got {value}")
+    check_architecture(run)
     return run, name
 
 
@@ -90,8 +110,9 @@ def run(args) -> int:
                    "configurations": [_row(p) for p in result.best]})
         return 0
     best = result.best[0]
+    llama = f" llama K={base.key_value_heads} F={base.ffn}" if base.arch == "llama" else ""
     print(f"model: {shape}, {best.parameters / 1e9:.1f}B parameters (L={base.n_layer} h={base.d_model} "
-          f"a={base.n_head} s={base.seq_len} V={base.vocab_size}), batch {base.batch_size}, {base.dtype}; "
+          f"a={base.n_head}{llama} s={base.seq_len} V={base.vocab_size}), batch {base.batch_size}, {base.dtype}; "
           f"{args.gpus} GPUs of {cluster.name}")
     print(f"searched {result.searched} configurations: {result.fitting} fit in "
           f"{format_bytes(cluster.memory_bytes)}; the best {len(result.best)} by simulated step time:")
@@ -135,6 +156,10 @@ def _flags(r: Run) -> str:
         flags += " --sequence-parallel"
     if r.cp > 1:
         flags += f" --cp {r.cp} --cp-impl {r.cp_impl}"
+    if r.attention == "flash":
+        flags += " --attention flash"
+    if r.arch == "llama":
+        flags += f" --arch llama --kv-heads {r.key_value_heads} --ffn-size {r.ffn}"
     if r.tie_weights:
         flags += " --tie-weights"
     if r.dropout:

@@ -5,6 +5,8 @@
         --tp 8 --pp 16 --gpus 1024 --checkpoint full --cluster a100-80gb
     python -m refimpl predict --cluster local-cluster.json --dtype float32 ...   # this machine, calibrated
     python -m refimpl predict --seq-len 131072 --batch-size 16 --gpus 64 --cp 8 --cp-impl ring   # context parallel
+    python -m refimpl predict --arch llama --n-layer 126 --d-model 16384 --n-head 128 --kv-heads 8 \
+        --ffn-size 53248 --vocab-size 128256 --seq-len 8192 --batch-size 2048 --dtype bf16 ...   # a Llama block
 
 The cost model is refimpl/tools/cluster/model.py (its docstring states every term); the cluster a
 preset (a100-80gb, h100-80gb) or a JSON file (`python -m refimpl calibrate` writes one for this
@@ -92,7 +94,8 @@ def run_from_args(args) -> Run:
                chunks=(args.chunks or 2) if args.schedule == "interleaved" and args.pp > 1 else None,
                sequence_parallel=args.sequence_parallel, dropout=args.dropout > 0, tie_weights=args.tie_weights,
                experts=args.experts, top_k=args.top_k, moe_every=args.moe_every, ep=args.ep, cp=args.cp,
-               cp_impl=args.cp_impl).check()
+               cp_impl=args.cp_impl, arch=args.arch, kv_heads=args.kv_heads, ffn_size=args.ffn_size,
+               attention=args.attention).check()
 
 
 def run(args) -> int:

@@ -100,7 +100,7 @@ def _block(args) -> dict:
     if args.arch != "llama":
         return {}
     kv_heads = args.n_head if args.kv_heads is None else args.kv_heads
-    return {"arch": "llama", "kv_width": kv_heads * (args.d_model // args.n_head),
+    return {"arch": "llama", "kv_width": kv_heads * (args.d_model // args.n_head), "kv_heads": kv_heads,
             "ffn": 4 * args.d_model if args.ffn_size is None else args.ffn_size}
 
 
@@ -174,8 +174,10 @@ def measure_bytes(args, world) -> list[dict]:
         before = trainer.mesh.tp_comm.counters.snapshot()
         trainer.step(x, y)
         spent = trainer.mesh.tp_comm.counters.since(before)
+        kv_heads = args.n_head if args.kv_heads is None else args.kv_heads
         shape = StepShape(tokens=x.size, width=args.d_model, blocks=args.n_layer, micro_batches=1,
-                          max_positions=task.seq_len, arch=args.arch)
+                          max_positions=task.seq_len, arch=args.arch, head_width=args.d_model // args.n_head,
+                          kv_replicas=max(1, world.size // kv_heads) if args.arch == "llama" else 1)
         expected = bytes_per_step(shape, sequence_parallel, world.size, 8)
         for kind, value in expected.items():
             rows.append({"mode": "+ sequence parallel" if sequence_parallel else "tensor parallel", "kind": kind,
