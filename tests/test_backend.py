@@ -191,6 +191,9 @@ HOST_BY_DESIGN = {
                      "initial values, the causal mask and dropout masks are made on the host, then moved"),
     "nn/models.py": ({"random.default_rng"}, "weights are drawn on the host: the same model on every backend"),
     "nn/module.py": ({"asarray"}, "load_state_dict reads host arrays"),
+    "tools/context_parallel_report.py": ({"abs", "isfinite", "max", "ones", "random.default_rng", "triu"},
+                                         "the inputs and the causal mask are made on the host and moved with "
+                                         "backend.asarray; the comparison reads host copies (backend.to_host)"),
     "tools/commands/tensor_parallel.py": ({"random.default_rng"},
                                           "the measured block's input is drawn on the host, then moved with "
                                           "backend.asarray"),

@@ -493,8 +493,8 @@ def test_mesh_with_tensor_parallelism(dp, pp, tp):
         coords = megatron_coords(rank, dp, pp, tp)
         assert (mesh.dp_index, mesh.pp_index, mesh.tp_index) == coords == mesh.coords_of(rank)
         assert mesh.rank_of(*coords) == rank
-        assert mesh.as_dict() == {"dp": dp, "pp": pp, "tp": tp, "ep": 1, "dp_index": coords[0], "pp_index": coords[1],
-                                  "tp_index": coords[2]}
+        assert mesh.as_dict() == {"dp": dp, "pp": pp, "tp": tp, "ep": 1, "cp": 1, "dp_index": coords[0],
+                                  "pp_index": coords[1], "tp_index": coords[2], "cp_index": 0}
     rank = lambda d, p, t: (p * dp + d) * tp + t  # noqa: E731
     assert split_groups(meshes, "tp_comm") == sorted([rank(d, p, t) for t in range(tp)]
                                                      for d in range(dp) for p in range(pp))

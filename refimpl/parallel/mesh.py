@@ -103,8 +103,9 @@ class Mesh:
     def rank_of(self, d: int, p: int, t: int = 0, c: int = 0) -> int:
         """World rank of data-parallel replica d, pipeline stage p, tensor-parallel shard t, context shard c."""
         if not (0 <= d < self.dp and 0 <= p < self.pp and 0 <= t < self.tp and 0 <= c < self.cp):
-            raise ValueError(f"mesh: (d={d}, p={p}, t={t}, c={c}) is outside the dp={self.dp} x pp={self.pp} x "
-                             f"tp={self.tp} x cp={self.cp} grid")
+            point, cp = (f", c={c}", f" x cp={self.cp}") if self.cp > 1 else ("", "")
+            raise ValueError(f"mesh: (d={d}, p={p}, t={t}{point}) is outside the dp={self.dp} x pp={self.pp} x "
+                             f"tp={self.tp}{cp} grid")
         return ((p * self.dp + d) * self.cp + c) * self.tp + t
 
     def coords_of(self, rank: int) -> tuple[int, int, int]:

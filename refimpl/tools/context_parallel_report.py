@@ -80,7 +80,7 @@ def reference(q, k, v, g):
     q5 = qt.reshape(b, Hkv, H // Hkv, T, D)
     k5 = kt.reshape(b, Hkv, 1, T, D).transpose(0, 1, 2, 4, 3)  # (b, Hkv, 1, D, T)
     v5 = vt.reshape(b, Hkv, 1, T, D)
-    att = F.causal_softmax(q5 @ k5, np.triu(np.ones((T, T), dtype=bool), k=1), 1.0 / math.sqrt(D))
+    att = F.causal_softmax(q5 @ k5, backend.asarray(np.triu(np.ones((T, T), dtype=bool), k=1)), 1.0 / math.sqrt(D))
     y = (att @ v5).reshape(b, H, T, D)
     (y * Tensor(backend.asarray(g.astype(np.float64)))).sum().backward()
     return [backend.to_host(x) for x in (y.data, qt.grad, kt.grad, vt.grad)]
