@@ -20,6 +20,7 @@ import json
 import numpy as np
 import pytest
 from mpi_util import PROGRAMS, last_json, run_mpi
+from test_llama_parallel import verify_all
 
 from refimpl.memory import gpt_parameters
 from refimpl.nn import GPT, GPTConfig
@@ -41,16 +42,6 @@ ON_FOUR = [LLAMA + ["--tp", "4", "--kv-heads", "2", "--clip", "0.05"],
                     "--zero", "1"],
            LLAMA + ["--tp", "2", "--kv-heads", "1", "--pp", "2", "--schedule", "zb1p", "--micro-batches", "4",
                     "--sequence-parallel", "--clip", "0.05"]]
-
-
-def verify_all(n: int, configs: list, tmp_path) -> list:
-    path = tmp_path / f"kv_replicas_on_{n}.json"
-    path.write_text(json.dumps(configs))
-    done = run_mpi(n, [PROGRAMS / "verify_many.py", path], timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = last_json(done)
-    assert len(results) == len(configs)
-    return results
 
 
 @pytest.mark.mpi
