@@ -133,3 +133,30 @@ def test_a_file_that_does_not_parse_fails_its_exercises(tmp_path):
     grades = grade.grade_files([path], timeout=30)
     assert len(grades) == len(grade.all_exercises()["01_autograd"])
     assert all(g.result == "fail" and "does not parse" in g.message for g in grades)
+
+
+def test_the_wire_reads_a_message_that_arrives_in_pieces():
+    """A message larger than a pipe's buffer reaches an unbuffered reader in pieces: each read returns
+    what has arrived. The student's process reads its pipe so, and once took the first piece of a
+    large array for the whole message (the process ended, "status 0", at random)."""
+    import io  # noqa: PLC0415 - this test alone
+    import struct  # noqa: PLC0415 - this test alone
+    import threading  # noqa: PLC0415 - this test alone
+
+    sys.path.insert(0, str(REPO / "tutorials"))
+    from grading import wire  # noqa: PLC0415 - the grader's own package, found through tutorials/
+
+    class ArrivesInPieces(io.RawIOBase):
+        def __init__(self, data: bytes) -> None:
+            self.stream = io.BytesIO(data)
+
+        def read(self, size: int = -1) -> bytes:
+            return self.stream.read(min(size, 7))  # at most 7 bytes per read, as a slow pipe gives them
+
+    payload = "x" * 100_000
+    data = json.dumps({"op": "note", "payload": payload}).encode()
+    got, done = [], threading.Event()
+    peer = wire.Peer(ArrivesInPieces(struct.pack("<I", len(data)) + data), io.BytesIO(), trusted=True,
+                     on_request=lambda message: (got.append(message), done.set()))
+    peer.thread.join(timeout=30)
+    assert done.is_set() and got[0]["payload"] == payload

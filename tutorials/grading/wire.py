@@ -393,16 +393,28 @@ class Peer:
             except (BrokenPipeError, OSError, ValueError):
                 self.gone = True
 
+    def _read_exactly(self, size: int) -> bytes:
+        """`size` bytes, or fewer only at the end of the stream: an unbuffered pipe's read returns what
+        has arrived so far, and a message larger than the pipe's buffer arrives in pieces."""
+        pieces, left = [], size
+        while left:
+            piece = self.reader.read(left)
+            if not piece:
+                break
+            pieces.append(piece)
+            left -= len(piece)
+        return b"".join(pieces)
+
     def _read_loop(self) -> None:
         try:
             while True:
-                head = self.reader.read(4)
+                head = self._read_exactly(4)
                 if len(head) < 4:
                     break
                 (size,) = struct.unpack("<I", head)
                 if not self.trusted and size > MAX_MESSAGE:
                     break  # a student's process that sends more than this is treated as gone (and stopped)
-                message = json.loads(self.reader.read(size))
+                message = json.loads(self._read_exactly(size))
                 if not isinstance(message, dict):
                     break
                 if "reply_to" in message:
