@@ -140,7 +140,7 @@ class Trainer:
         self.mesh = Mesh(world, pp=pp, tp=tp, ep=ep, cp=cp)  # 1. the same clear error on every rank if pp·tp·cp ∤ N
         self.dp = self.mesh.dp
         store = self._cut_over_tensor_parallel(model, sequence_parallel, partition_activations)  # 1b.
-        self.context_parallel = apply_context_parallelism(model, self.mesh.cp_comm, cp_impl) \
+        self.context_parallel = apply_context_parallelism(model, self.mesh.cp_comm, cp_impl, tp) \
             if cp > 1 else None  # 1b. every layer on this rank's tokens
         self.schedule = self._build_schedule(schedule, micro_batches, chunks, grad_accum)  # 2.
         self._cut_into_stages(model, checkpoint, store)  # 2. with 1b's experts and activation checkpointing

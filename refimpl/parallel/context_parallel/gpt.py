@@ -26,8 +26,7 @@ each rank's own tokens; refused).
 from __future__ import annotations
 
 from refimpl import backend
-from refimpl.parallel.context_parallel.blockwise import check_heads
-from refimpl.parallel.context_parallel.layout import check_sequence, positions
+from refimpl.parallel.context_parallel.layout import check_sequence, positions, shard
 from refimpl.parallel.context_parallel.ring_attention import ring_attention
 from refimpl.parallel.context_parallel.ulysses import ulysses_attention
 
@@ -71,8 +70,7 @@ class ContextParallel:
 
     def shard(self, x):
         """This rank's tokens of a global (b, T) array of token ids or targets: (b, T/C)."""
-        index = positions(x.shape[1], self.ranks, self.rank, self.layout)
-        return x[:, index]
+        return shard(x, self.ranks, self.rank, axis=1, layout=self.layout)
 
     def attention(self, q, k, v):
         """q (b, H, T/C, D), k, v (b, Hkv, T/C, D) of this rank's tokens -> its output (b, H, T/C, D)."""
@@ -80,14 +78,11 @@ class ContextParallel:
         return run(q, k, v, self.comm, layout=self.layout)
 
 
-def apply_context_parallelism(model, comm, impl: str = "ring") -> ContextParallel:
-    """Make `model` (a GPT, whole on every rank, tensor-parallel slices already cut) run on this
-    rank's shard of each sequence: its embedding's positions and every block's attention."""
+def apply_context_parallelism(model, comm, impl: str = "ring", tp: int = 1) -> ContextParallel:
+    """Make `model` (a GPT, whole on every rank, its tp tensor-parallel slices already cut) run on
+    this rank's shard of each sequence: its embedding's positions and every block's attention."""
     c = model.config
-    heads = model.blocks[0].attn.n_head if len(model.blocks) else c.n_head  # per tensor-parallel rank
-    check_heads(c.n_head, c.n_kv_heads)
-    check_options(comm.size, impl, c.seq_len, c.n_head, c.n_kv_heads, tp=c.n_head // heads, dropout=c.dropout,
-                  experts=c.n_experts)
+    check_options(comm.size, impl, c.seq_len, c.n_head, c.n_kv_heads, tp=tp, dropout=c.dropout, experts=c.n_experts)
     context = ContextParallel(comm, impl)
     model.context = context
     for block in model.blocks:

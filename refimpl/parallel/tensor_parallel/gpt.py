@@ -253,7 +253,8 @@ def _shard_llama_block(block, prefix: str, cut, whole_in_sequence_shards, comm, 
     column-parallel (rows of those heads) behind one f (f̄), wo row-parallel; SwiGLU's w1 and w3
     column-parallel (rows [r·F/t, (r+1)·F/t)) behind one f (f̄), w2 row-parallel; the RMSNorms whole.
     None of them has a bias. Rotary positions need nothing: the projections' outputs hold whole
-    sequences (f̄ gathers them), so positions stay 0 … T−1.
+    sequences (f̄ gathers them), so positions are the sequence's 0 … T−1 (with context parallelism,
+    the global positions of the rank's tokens: context_parallel/gpt.py).
 
     Fewer key/value heads than ranks (Hkv divides t, R = t/Hkv replicas): rank r's H/t query heads
     all lie in group j = ⌊r/R⌋ (G = H/Hkv is R·H/t), so it keeps key/value head j whole, as do the
