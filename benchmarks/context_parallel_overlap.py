@@ -59,6 +59,7 @@ from refimpl.parallel.context_parallel import layout as layout_module
 from refimpl.parallel.context_parallel import ring_attention as ring_module
 from refimpl.parallel.context_parallel.blockwise import EMPTY, pair_kind
 from refimpl.tools.console import log
+from refimpl.tools.context_parallel_report import global_inputs
 
 TIME_TAG_OFFSET = 100  # the send time travels on the message's tag + 100
 
@@ -228,9 +229,8 @@ def measure(world, args, lay: str, skip: bool, multiple: float) -> dict:
     C, F = world.size, args.block_cost
     P = multiple * F
     clock = Clock(P)
-    rng = np.random.default_rng(0)
-    b, H, Hkv, T, D = args.batch, args.heads, args.kv_heads, args.seq_len, args.d_head
-    inputs = [rng.normal(size=shape) for shape in ((b, H, T, D), (b, Hkv, T, D), (b, Hkv, T, D), (b, H, T, D))]
+    inputs = global_inputs({"seed": 0, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
+                            "seq_len": args.seq_len, "d_head": args.d_head})  # q, k, v and the output's gradient
     plain_isend, plain_irecv = world.isend, world.irecv
     delay_links(world, clock)
     try:
@@ -248,10 +248,10 @@ def measure(world, args, lay: str, skip: bool, multiple: float) -> dict:
         everyone = world.allgather_object(measured)
         received = sum(m["received"] for m in everyone)
         row[phase] = {
-            "measured_s": mean(m["duration"] for m in everyone),
-            "measured_exposed_s": mean(m["exposed"] for m in everyone),
-            "simulated_s": mean(sim["duration"]), "simulated_exposed_s": mean(sim["exposed"]),
-            "max_model_s": mean(sim["max_model"]), "sum_model_s": mean(sim["sum_model"]),
+            "measured_s": statistics.fmean(m["duration"] for m in everyone),
+            "measured_exposed_s": statistics.fmean(m["exposed"] for m in everyone),
+            "simulated_s": statistics.fmean(sim["duration"]), "simulated_exposed_s": statistics.fmean(sim["exposed"]),
+            "max_model_s": statistics.fmean(sim["max_model"]), "sum_model_s": statistics.fmean(sim["sum_model"]),
             "messages_received": received, "simulated_messages_received": sum(sim["received"]),
             "measured_hidden": None if imbalanced else hidden(sum(m["exposed"] for m in everyone), P,
                                                               sum(sim["waited"])),
@@ -262,11 +262,6 @@ def measure(world, args, lay: str, skip: bool, multiple: float) -> dict:
 
 def hidden(exposed: float, P: float, messages: int) -> float | None:
     return None if not P or not messages else 1 - exposed / (P * messages)
-
-
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 def print_table(rows: list[dict], C: int, args) -> None:

@@ -303,8 +303,8 @@ def test_plan_reports_cp_in_its_table_and_json(capsys):
     (["predict", "--gpus", "16", "--dp", "3", "--cp", "4"], "dp × tp × cp × pp = 3 × 1 × 4 × 1 = 12, not --gpus 16"),
     (["predict", "--seq-len", "1000", "--cp", "8", "--gpus", "8"], "cannot be cut into 2·8 = 16 equal chunks"),
     (["predict", "--n-head", "16", "--tp", "8", "--cp", "4", "--cp-impl", "ulysses", "--gpus", "32"],
-     "--cp-impl ulysses splits each tensor-parallel rank's 2 heads"),
-    (["predict", "--experts", "4", "--cp", "2", "--gpus", "2"], "experts with --cp > 1 are not modelled"),
+     "the 2 query and 2 key/value heads per tensor-parallel rank must each divide by --cp 4"),
+    (["predict", "--experts", "4", "--cp", "2", "--gpus", "2"], "--cp 2 with --experts is not supported"),
 ])
 def test_bad_input_is_one_clear_line(args, message, capsys):
     assert cli.main(args) == 2

@@ -325,7 +325,7 @@ def test_plan_with_a_llama_shape(capsys):
     (["predict", "--arch", "llama", "--ffn-size", "1001", "--tp", "2"], "--tp 2 must divide --ffn-size 1001"),
     (["predict", "--arch", "llama", "--d-model", "48", "--n-head", "16"], "the head width d_model/n_head = 3 is odd"),
     (["predict", "--arch", "llama", "--kv-heads", "4", "--tp", "4", "--cp", "2", "--cp-impl", "ulysses",
-      "--seq-len", "4096", "--gpus", "8"], "splits each tensor-parallel rank's 1 key/value heads"),
+      "--seq-len", "4096", "--gpus", "8"], "the 4 query and 1 key/value heads per tensor-parallel rank"),
     (["predict", "--arch", "llama", "--experts", "4"], "--arch llama with --experts is not modelled"),
     (["plan", "--arch", "llama", "--params", "7B", "--kv-heads", "8", "--gpus", "8"],
      "--params picks a Llama shape with its own --kv-heads and --ffn-size"),

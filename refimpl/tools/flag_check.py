@@ -18,8 +18,10 @@ traces differently with it than without it. A trainer of yours that declares an 
 must then trace differently too, on at least one rank; if it runs the same on every rank, it
 ignores the flag, and verify fails in one line naming it. Where refimpl's own trainer does not
 change either, the configuration does not exercise the flag (--bucket-bytes larger than the model,
---zero on one rank, --trace and --mem-budget, which only watch): nothing is claimed, and verify's
-configuration lists the flag under "not_exercised".
+--schedule 1f1b, which is the default, --trace and --mem-budget, which only watch): nothing is
+claimed, and verify's configuration lists the flag under "not_exercised". A collective on one rank
+counts as a call (refimpl's ZeRO makes them): a trainer of yours that skips its collectives on one
+rank can fail there, and is verified on two or more.
 """
 
 from __future__ import annotations

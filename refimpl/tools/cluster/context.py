@@ -58,12 +58,12 @@ from functools import lru_cache
 
 from refimpl.parallel.context_parallel.accounting import AttentionShape, ring_bytes, score_elements, ulysses_bytes
 from refimpl.parallel.context_parallel.blockwise import EMPTY, pair_kind
-from refimpl.parallel.context_parallel.layout import check_sequence, rank_chunks
+from refimpl.parallel.context_parallel.gpt import IMPLEMENTATIONS, check_options
+from refimpl.parallel.context_parallel.layout import rank_chunks
 
 from .collectives import Group, Links
 from .hardware import Cluster
 
-IMPLEMENTATIONS = ("ring", "ulysses")
 LAYOUT = "balanced"
 BACKWARD_PRODUCTS = 2.0  # dv, dp, dq, dk: twice the forward's two products
 RECOMPUTED_PRODUCTS = 0.5  # the scores q kᵀ again: half the forward's products
@@ -71,27 +71,10 @@ RING_BUFFER_BLOCKS = 4  # the arriving K/V, the travelling, arriving and owner's
 
 
 def check(run) -> None:
-    """One-line ValueErrors for a context-parallel configuration the model (and refimpl) cannot run."""
-    C = run.cp
-    if not isinstance(C, int) or C < 1:
-        raise ValueError(f"--cp must be a positive integer; got {C!r}")
-    if run.cp_impl not in IMPLEMENTATIONS:
-        raise ValueError(f"--cp-impl must be one of {', '.join(IMPLEMENTATIONS)}; got {run.cp_impl!r}")
-    if C == 1:
-        return
-    check_sequence(run.seq_len, C)  # 2C chunks need T divisible by 2C
-    heads = run.n_head // run.tp
-    if run.cp_impl == "ulysses" and heads % C:
-        raise ValueError(f"--cp-impl ulysses splits each tensor-parallel rank's {heads} heads (--n-head {run.n_head} "
-                         f"/ --tp {run.tp}) over --cp {C}; choose a --cp that divides {heads}, or --cp-impl ring")
-    kv_heads = run.key_value_heads // run.tp
-    if run.cp_impl == "ulysses" and kv_heads % C:
-        raise ValueError(f"--cp-impl ulysses splits each tensor-parallel rank's {kv_heads} key/value heads (--kv-heads "
-                         f"{run.key_value_heads} / --tp {run.tp}) over --cp {C}; choose a --cp that divides "
-                         f"{kv_heads}, or --cp-impl ring")
-    if run.experts:
-        raise ValueError("experts with --cp > 1 are not modelled (refimpl's mesh does not combine expert and context "
-                         "parallelism); use --cp 1")
+    """One-line ValueErrors for a context-parallel configuration the model cannot run: refimpl's own
+    rules (context_parallel/gpt.py), except dropout, which the model prices (systems such as
+    Megatron-LM run it with cp; refimpl refuses it because its masks follow global positions)."""
+    check_options(run.cp, run.cp_impl, run.seq_len, run.n_head, run.key_value_heads, run.tp, experts=run.experts)
 
 
 def shape(run, itemsize: int) -> AttentionShape:
@@ -134,11 +117,8 @@ def layer_times(run, cluster: Cluster, links: Links, core_rate: float, itemsize:
     C, cp_group = run.cp, group(run, cluster)
     if run.cp_impl == "ulysses":
         buffer = one.batch * (one.seq_len // C) * one.heads * one.d_head * itemsize  # q or y of the shard
-        if one.kv_heads == one.heads:
-            exchanges = 4 * links.all_to_all(buffer, cp_group)
-        else:  # grouped-query attention: k and v carry the key/value heads only
-            kv_buffer = one.batch * (one.seq_len // C) * one.kv_heads * one.d_head * itemsize
-            exchanges = 2 * links.all_to_all(buffer, cp_group) + 2 * links.all_to_all(kv_buffer, cp_group)
+        kv_buffer = one.batch * (one.seq_len // C) * one.kv_heads * one.d_head * itemsize  # k or v (Hkv heads)
+        exchanges = 2 * links.all_to_all(buffer, cp_group) + 2 * links.all_to_all(kv_buffer, cp_group)
         return LayerTimes(scores, flops, exchanges, exchanges)
     hop = links.send(2 * one.chunk_kv_bytes, across_nodes=cp_group.per_node < C)
     pair = 4 * one.d_head * one.batch * one.heads * one.chunk ** 2 / core_rate  # one chunk pair's products
@@ -177,3 +157,7 @@ def buffer_bytes(run, itemsize: int) -> int:
     if run.cp_impl == "ulysses":
         return 2 * (one.heads + one.kv_heads) * one.batch * (one.seq_len // run.cp) * one.d_head * itemsize
     return RING_BUFFER_BLOCKS * 2 * one.chunk_kv_bytes
+
+
+__all__ = ["IMPLEMENTATIONS", "LAYOUT", "check", "shape", "ring_pairs", "group", "LayerTimes", "layer_times",
+           "bytes_per_layer", "saved_elements", "working_elements", "buffer_bytes"]

@@ -416,18 +416,19 @@ def action_times(run: Run, cluster: Cluster, eff: Efficiency = EFFICIENCY, last:
     gemm = (blocks - moe) * dense_gemm + moe * moe_gemm
     whole = (4 + 6) * h + (9 * h if run.dropout else 0)  # layer norms, residual adds, dropouts
     flash = run.attention == "flash"
+    whole_here = whole / t if sp else whole  # sequence parallelism: these on 1/t of the tokens
     if run.cp == 1 and flash:  # a fused kernel: the causal half of the scores, none of them through memory
         core = blocks * 4 * (h // a) * flash_scores(run)
-        traffic = blocks * N * e * ((whole / t if sp else whole) + pointwise / t)
+        traffic = blocks * N * e * (whole_here + pointwise / t)
     elif run.cp == 1:  # dense attention: every score of the T×T product
         core = blocks * 4 * N * s * h / t
         split = pointwise + 2 * a * s + (3 * a * s if run.dropout else 0)  # MLP; softmax (and dropout) per head
-        traffic = blocks * N * e * ((whole / t if sp else whole) + split / t)
+        traffic = blocks * N * e * (whole_here + split / t)
     else:  # blockwise attention on T/cp tokens: the score elements refimpl computes (cluster/context.py)
-        attention = context.layer_times(run, cluster, links, flops * eff.attention, e)
+        attention = context.layer_times(run, cluster, links, core_rate, e)
         core = blocks * attention.flops
         softmax = blocks * e * (2 + (3 if run.dropout else 0)) * attention.scores  # softmax (and dropout) per score
-        traffic = blocks * N * e * ((whole / t if sp else whole) + pointwise / t) + (0 if flash else softmax)
+        traffic = blocks * N * e * (whole_here + pointwise / t) + (0 if flash else softmax)
     if run.arch == "llama":
         operations = OPERATIONS_PER_DROPOUT_LLAMA_BLOCK if run.dropout else OPERATIONS_PER_LLAMA_BLOCK
     else:
